@@ -1,0 +1,3 @@
+from llmgw_agent.cli import main
+
+main()

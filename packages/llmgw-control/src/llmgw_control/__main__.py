@@ -1,0 +1,3 @@
+from llmgw_control.cli import main
+
+main()

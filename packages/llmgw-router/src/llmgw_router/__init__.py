@@ -1,0 +1,10 @@
+"""llmgw-router."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("llmgw-router")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,3 @@
+from llmgw_router.cli import main
+
+main()
