@@ -46,7 +46,7 @@ class ProfileConfig(BaseConfig):
     gpus_per_node: NonNegative = 1
     cpu_threads: NonNegative = 0
     nodes: Positive = 1
-    gpu: GpuConstraint = GpuConstraint()
+    gpu: GpuConstraint = msgspec.field(default_factory=GpuConstraint)
     same_label: str = ""
     replicas: NonNegative = 1
     served_model_names: list[str] = []

@@ -70,8 +70,8 @@ class ControlSettings(BaseConfig):
 class ControlConfig(BaseConfig):
     listen: str = "0.0.0.0:7070"
     admin_listen: str = "127.0.0.1:9091"
-    tls: TlsConfig = TlsConfig()
-    control: ControlSettings = ControlSettings()
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    control: ControlSettings = msgspec.field(default_factory=ControlSettings)
     models: list[ModelConfig] = []
 
 
