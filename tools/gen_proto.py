@@ -21,19 +21,23 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "packages" / "llmgw-proto"
-PROTO_DIR = PKG / "proto"
-SRC = PKG / "src" / "llmgw_proto"
-GEN_DIR = SRC / "_gen"
-FACADE = SRC / "v1.py"
 OPTIONS = "client_generation=async,server_generation=async"
 
 
-def proto_files() -> list[Path]:
-    return sorted(PROTO_DIR.rglob("*.proto"))
+class Layout:
+    """Where the sources and the generated code of one llmgw-proto tree live."""
+
+    def __init__(self, package: Path) -> None:
+        self.proto_dir = package / "proto"
+        src = package / "src" / "llmgw_proto"
+        self.gen_dir = src / "_gen"
+        self.facade = src / "v1.py"
+
+    def proto_files(self) -> list[Path]:
+        return sorted(self.proto_dir.rglob("*.proto"))
 
 
-def generate(out: Path) -> None:
+def generate(layout: Layout, out: Path) -> None:
     """Run protoc with the betterproto2 plugin into ``out`` (a fresh directory)."""
     plugin_dir = Path(sys.executable).parent
     gen = out / "_gen"
@@ -42,15 +46,17 @@ def generate(out: Path) -> None:
         sys.executable,
         "-m",
         "grpc_tools.protoc",
-        f"-I{PROTO_DIR}",
+        f"-I{layout.proto_dir}",
         f"--plugin=protoc-gen-python_betterproto2={plugin_dir / 'protoc-gen-python_betterproto2'}",
         f"--python_betterproto2_out={gen}",
         f"--python_betterproto2_opt={OPTIONS}",
-        *(str(p.relative_to(PROTO_DIR)) for p in proto_files()),
+        *(str(p.relative_to(layout.proto_dir)) for p in layout.proto_files()),
     ]
     # The plugin formats its output with ruff, which it looks for on PATH.
     env = {**os.environ, "PATH": f"{plugin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    subprocess.run(cmd, check=True, cwd=PROTO_DIR, stdout=subprocess.DEVNULL, env=env)
+    done = subprocess.run(cmd, cwd=layout.proto_dir, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        sys.exit(f"protoc failed:\n{done.stderr}")
     (out / "v1.py").write_text(facade(gen / "llmgw" / "v1" / "__init__.py"))
 
 
@@ -86,17 +92,17 @@ def tree_files(base: Path) -> dict[str, Path]:
     }
 
 
-def stale(fresh: Path) -> list[str]:
+def stale(layout: Layout, fresh: Path) -> list[str]:
     """Differences between a fresh generation and what is committed, as readable lines."""
     problems: list[str] = []
     want = tree_files(fresh / "_gen")
-    have = tree_files(GEN_DIR) if GEN_DIR.exists() else {}
+    have = tree_files(layout.gen_dir) if layout.gen_dir.exists() else {}
     for name in sorted(want.keys() - have.keys()):
         problems.append(f"missing: _gen/{name}")
     for name in sorted(have.keys() - want.keys()):
         problems.append(f"not generated any more: _gen/{name}")
     pairs = [(f"_gen/{n}", want[n], have[n]) for n in sorted(want.keys() & have.keys())]
-    pairs.append(("v1.py", fresh / "v1.py", FACADE))
+    pairs.append(("v1.py", fresh / "v1.py", layout.facade))
     for name, new, old in pairs:
         if not old.exists():
             problems.append(f"missing: {name}")
@@ -111,23 +117,30 @@ def stale(fresh: Path) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if committed code is stale")
+    parser.add_argument(
+        "--package",
+        type=Path,
+        default=ROOT / "packages" / "llmgw-proto",
+        help="the llmgw-proto package directory (default: this repository's)",
+    )
     args = parser.parse_args()
+    layout = Layout(args.package.resolve())
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp)
-        generate(fresh)
+        generate(layout, fresh)
         if args.check:
-            problems = stale(fresh)
+            problems = stale(layout, fresh)
             if problems:
                 print("llmgw_proto's generated code is stale; run `nox -s proto`:")
                 print("\n".join(problems))
                 return 1
             print("llmgw_proto's generated code matches packages/llmgw-proto/proto")
             return 0
-        if GEN_DIR.exists():
-            shutil.rmtree(GEN_DIR)
-        shutil.copytree(fresh / "_gen", GEN_DIR)
-        shutil.copy(fresh / "v1.py", FACADE)
-    print(f"generated {GEN_DIR.relative_to(ROOT)} and {FACADE.relative_to(ROOT)}")
+        if layout.gen_dir.exists():
+            shutil.rmtree(layout.gen_dir)
+        shutil.copytree(fresh / "_gen", layout.gen_dir)
+        shutil.copy(fresh / "v1.py", layout.facade)
+    print(f"generated {layout.gen_dir} and {layout.facade}")
     return 0
 
 

@@ -22,7 +22,7 @@ def exponential(attempt: int, base: float, cap: float) -> float:
     # 2**attempt overflows float for huge attempts; the cap is reached long before.
     if attempt >= 64:
         return cap
-    return min(cap, base * (2**attempt))
+    return min(cap, base * 2.0**attempt)
 
 
 def full_jitter(attempt: int, base: float, cap: float, uniform: Callable[[], float]) -> float:

@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 import msgspec
 import yaml
 
-__all__ = ["ConfigError", "Duration", "load", "convert", "parse_duration", "BaseConfig"]
+__all__ = ["BaseConfig", "ConfigError", "Duration", "convert", "load", "parse_duration"]
 
 T = TypeVar("T")
 
 
-class BaseConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+class BaseConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base for config Structs: unknown fields are errors, fields are keyword-only."""
 
 
@@ -100,11 +100,11 @@ def _name_keys(data: object, type_: type[Any], path: str) -> str:
         match = _SEGMENT.match(rest)
         if match is None:
             return named + rest
-        token = match.group(0)
-        rest = rest[len(token) :]
-        if token == "[...]":
+        segment = match.group(0)
+        rest = rest[len(segment) :]
+        if segment == "[...]":
             if not isinstance(node, dict):
-                return named + token + rest
+                return named + segment + rest
             culprit = None
             for key in node:
                 trial = _replace_at(data, named, {key: node[key]})
@@ -113,15 +113,17 @@ def _name_keys(data: object, type_: type[Any], path: str) -> str:
                     culprit = key
                     break
             if culprit is None:
-                return named + token + rest
+                return named + segment + rest
             key_text = str(culprit)
-            named += f".{key_text}" if re.fullmatch(r"[A-Za-z_][\w-]*", key_text) else f"[{key_text!r}]"
+            named += (
+                f".{key_text}" if re.fullmatch(r"[A-Za-z_][\w-]*", key_text) else f"[{key_text!r}]"
+            )
             node = node[culprit]
         elif match.group(1) is not None:
-            named += token
+            named += segment
             node = node.get(match.group(1)) if isinstance(node, dict) else None
         else:
-            named += token
+            named += segment
             index = int(match.group(2))
             node = node[index] if isinstance(node, list) and index < len(node) else None
     return named
@@ -185,9 +187,7 @@ def read(path: Path) -> object:
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(str(path), f"invalid TOML: {err}") from None
     else:
-        raise ConfigError(
-            str(path), f"unknown config format {suffix!r}: use .yaml, .yml or .toml"
-        )
+        raise ConfigError(str(path), f"unknown config format {suffix!r}: use .yaml, .yml or .toml")
     return {} if data is None else data
 
 

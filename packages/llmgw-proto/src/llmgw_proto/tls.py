@@ -12,7 +12,9 @@ from pathlib import Path
 __all__ = ["client_context", "peer_common_name", "server_context"]
 
 
-def server_context(cert: Path, key: Path, ca: Path, *, require_client_cert: bool = True) -> ssl.SSLContext:
+def server_context(
+    cert: Path, key: Path, ca: Path, *, require_client_cert: bool = True
+) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(str(cert), str(key))

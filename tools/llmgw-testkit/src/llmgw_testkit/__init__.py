@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
+from signal import SIGKILL, SIGTERM
 import socket
 import subprocess
 import time
@@ -21,10 +21,10 @@ from typing import TypeVar
 __all__ = [
     "Proc",
     "free_port",
-    "wait_for",
-    "wait_for_async",
     "http_get",
     "port_open",
+    "wait_for",
+    "wait_for_async",
 ]
 
 T = TypeVar("T")
@@ -56,7 +56,7 @@ def wait_for(
     while True:
         try:
             value = condition()
-        except Exception as exc:  # noqa: BLE001 - remembered for the failure message
+        except Exception as exc:
             last_error = exc
             value = None
         if value:
@@ -80,7 +80,7 @@ async def wait_for_async(
     while True:
         try:
             value = await condition()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             last_error = exc
             value = None
         if value:
@@ -130,7 +130,7 @@ class Proc:
         if env:
             full_env.update(env)
         self._log = self.log_path.open("wb")
-        self.popen = subprocess.Popen(  # noqa: S603 - argv comes from the test itself
+        self.popen = subprocess.Popen(
             self.argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -167,7 +167,9 @@ class Proc:
         deadline = time.monotonic() + timeout
         while not seen():
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.name} did not print {text!r} within {timeout}s:\n{self.tail()}")
+                raise TimeoutError(
+                    f"{self.name} did not print {text!r} within {timeout}s:\n{self.tail()}"
+                )
             time.sleep(0.05)
 
     def tail(self, lines: int = 40) -> str:
@@ -180,7 +182,7 @@ class Proc:
     def wait(self, timeout: float = 30.0) -> int:
         return self.popen.wait(timeout=timeout)
 
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+    def stop(self, sig: int = SIGTERM) -> int | None:
         """Stop the whole process group: ``sig``, then SIGKILL after the grace period."""
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -191,7 +193,7 @@ class Proc:
                 pass
         # Children left in the group (engines an agent started, say) go too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            os.killpg(self.popen.pid, SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5)
         self._log.close()

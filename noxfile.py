@@ -1,0 +1,128 @@
+"""Every check and task of the llmgw monorepo. `nox` alone runs what CI runs.
+
+nox                  lint, typecheck, tests, integration, build
+nox -s demo          the local demo (README quick start)
+nox -s proto         regenerate llmgw_proto from the .proto files
+nox -s bench         the benchmarks in tools/bench/
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "build"]
+
+ROOT = Path(__file__).parent
+PACKAGES = ["llmgw-proto", "llmgw-router", "llmgw-control", "llmgw-agent"]
+TOOLS = ["tools/llmgw-sim", "tools/llmgw-testkit"]
+PROGRAMS = {
+    "llmgw-router": "llmgw-router",
+    "llmgw-control": "llmgw-control",
+    "llmgw-agent": "llmgw-agent",
+}
+TEST_REQUIREMENTS = "tools/test-requirements.txt"
+UNIT_TESTS = [f"packages/{p}/tests" for p in PACKAGES] + ["tools/llmgw-sim/tests"]
+
+
+def install_everything(session: nox.Session) -> None:
+    """All four wheels and the tools, editable, with the test requirements."""
+    editable = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
+    editable += [arg for t in TOOLS for arg in ("-e", t)]
+    session.install(*editable, "-r", TEST_REQUIREMENTS)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package, tool and test suite."""
+    install_everything(session)
+    session.install("mypy", "types-PyYAML", "types-protobuf")
+    sources = [f"packages/{p}/src" for p in PACKAGES] + [f"{t}/src" for t in TOOLS]
+    session.run("mypy", "--strict", *sources, "tools/gen_proto.py")
+    # Test suites each have a conftest.py, so mypy sees them one at a time.
+    suites = [*UNIT_TESTS, "tests-integration"]
+    suites += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tools" / "bench").glob("*.py"))]
+    for suite in suites:
+        if any((ROOT / suite).rglob("*.py")) or suite.endswith(".py"):
+            session.run("mypy", "--strict", suite)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's unit tests, and the simulator's."""
+    install_everything(session)
+    session.run("pytest", *UNIT_TESTS, *session.posargs)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """The whole system as separate processes: tests-integration/."""
+    install_everything(session)
+    session.run("pytest", "tests-integration", *session.posargs)
+
+
+@nox.session
+def proto(session: nox.Session) -> None:
+    """Regenerate llmgw_proto's code from packages/llmgw-proto/proto."""
+    session.install(
+        "grpcio-tools", "betterproto2-compiler>=0.10,<0.11", "-e", "packages/llmgw-proto"
+    )
+    session.run("python", "tools/gen_proto.py", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the four wheels; install each program alone in a fresh venv and run its CLI."""
+    session.install("uv")
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = Path(tmp) / "wheels"
+        for package in PACKAGES:
+            session.run(
+                "uv", "build", "--wheel", "-q", "--out-dir", str(wheels), f"packages/{package}"
+            )
+        for program, script in PROGRAMS.items():
+            venv = Path(tmp) / f"venv-{program}"
+            session.run("uv", "venv", "-q", str(venv))
+            python = str(venv / "bin" / "python")
+            wheel = next(wheels.glob(f"{program.replace('-', '_')}-*.whl"))
+            session.run(
+                "uv", "pip", "install", "-q", "-p", python, "--find-links", str(wheels), str(wheel)
+            )  # fmt: skip
+            session.run(str(venv / "bin" / script), "--help", external=True)
+            session.run(str(venv / "bin" / script), "--version", external=True)
+        venv = Path(tmp) / "venv-proto"
+        session.run("uv", "venv", "-q", str(venv))
+        python = str(venv / "bin" / "python")
+        session.run(
+            "uv", "pip", "install", "-q", "-p", python, str(next(wheels.glob("llmgw_proto-*.whl")))
+        )
+        session.run(
+            python, "-c", "import llmgw_proto.v1 as v1; print(v1.AgentMessage())", external=True
+        )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run the local demo: control plane, router and two agents with simulated GPUs."""
+    install_everything(session)
+    session.run("python", "tools/demo.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks in tools/bench/ (numbers as ratios against a baseline)."""
+    install_everything(session)
+    for script in sorted((ROOT / "tools" / "bench").glob("bench_*.py")):
+        session.run("python", str(script.relative_to(ROOT)), *session.posargs)
