@@ -2,80 +2,30 @@
 
 from llmgw_proto._gen.llmgw.v1 import (
     AgentMessage as AgentMessage,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     AgentServiceBase as AgentServiceBase,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     AgentServiceStub as AgentServiceStub,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     CommandResult as CommandResult,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     ControlMessage as ControlMessage,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     DrainShard as DrainShard,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     Endpoint as Endpoint,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     EndpointServiceBase as EndpointServiceBase,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     EndpointServiceStub as EndpointServiceStub,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     EndpointSnapshot as EndpointSnapshot,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     EngineKind as EngineKind,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     Gpu as Gpu,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     GpuUsage as GpuUsage,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     Heartbeat as Heartbeat,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     Host as Host,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     Inventory as Inventory,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     MultiNode as MultiNode,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     NetworkInterface as NetworkInterface,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     Register as Register,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     RegisterAck as RegisterAck,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     RunningShard as RunningShard,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     ShardState as ShardState,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     ShardStatus as ShardStatus,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     StartShard as StartShard,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     StopShard as StopShard,
-)
-from llmgw_proto._gen.llmgw.v1 import (
     WatchRequest as WatchRequest,
 )
 
