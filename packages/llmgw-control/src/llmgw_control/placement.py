@@ -1,0 +1,332 @@
+"""Where a replica runs: a chain of node filters, a bin-packing rank, and the reasons.
+
+Pure functions over :class:`NodeView` values, no I/O. Like Nomad's feasibility and
+rank iterators: each filter removes the nodes that cannot take a shard and records
+why; the nodes left are ranked (the fullest node that still fits wins, so large
+replicas keep finding whole nodes). When nothing fits, the record becomes a sentence
+a person can act on:
+
+    0 of 3 nodes fit: 2 have too few free GPUs (need 4, most free is 2 on gpu-b),
+    1 is lost (gpu-c)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw_control.catalog import ProfileSpec
+
+__all__ = [
+    "Demand",
+    "GpuSlot",
+    "NodeView",
+    "Placement",
+    "ShardSlot",
+    "Unplaceable",
+    "commit",
+    "place",
+]
+
+READY = "READY"
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    index: int
+    name: str
+    memory_bytes: int
+
+
+@dataclass
+class NodeView:
+    """What placement needs of a node; ``used_*`` includes everything already there."""
+
+    node_id: str
+    state: str
+    gpus: tuple[GpuSlot, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # The endpoint address from the management interface; "" when the node has none.
+    address: str = ""
+    used_gpus: set[int] = field(default_factory=set)
+    used_ports: set[int] = field(default_factory=set)
+    _eligible: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    def matching(self, name: str) -> int:
+        return sum(1 for g in self.gpus if fnmatch.fnmatchcase(g.name, name))
+
+    def eligible(self, name: str, min_memory: int) -> tuple[int, ...]:
+        """GPU indices that meet the constraint, cached: a node's GPUs do not change."""
+        key = (name, min_memory)
+        found = self._eligible.get(key)
+        if found is None:
+            found = tuple(
+                g.index
+                for g in sorted(self.gpus, key=lambda g: g.index)
+                if g.memory_bytes >= min_memory and fnmatch.fnmatchcase(g.name, name)
+            )
+            self._eligible[key] = found
+        return found
+
+    def free_ports(self, lo: int, hi: int, count: int) -> list[int]:
+        ports: list[int] = []
+        for port in range(lo, hi + 1):
+            if port not in self.used_ports:
+                ports.append(port)
+                if len(ports) == count:
+                    break
+        return ports
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one replica needs: per-node GPUs and constraints, nodes, shared label."""
+
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_name: str = "*"
+    min_memory_bytes: int = 0
+    same_label: str = ""
+
+    @classmethod
+    def of(cls, profile: ProfileSpec) -> Demand:
+        return cls(
+            gpus_per_node=profile.gpus_per_node,
+            nodes=profile.nodes,
+            gpu_name=profile.gpu_name,
+            min_memory_bytes=profile.min_memory_bytes,
+            same_label=profile.same_label,
+        )
+
+    @property
+    def ports_per_node(self) -> int:
+        # A multi-node leader needs a second port for the rendezvous (vLLM --master-port);
+        # asking it of every candidate keeps the choice of leader free.
+        return 2 if self.nodes > 1 else 1
+
+
+@dataclass(frozen=True)
+class ShardSlot:
+    node_id: str
+    rank: int
+    gpu_indices: tuple[int, ...]
+    port: int
+    address: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    shards: tuple[ShardSlot, ...]
+    # The leader's rendezvous port for multi-node replicas; 0 for one node.
+    rendezvous_port: int = 0
+
+    @property
+    def leader(self) -> ShardSlot:
+        return self.shards[0]
+
+    @property
+    def leader_address(self) -> str:
+        if not self.rendezvous_port:
+            return ""
+        return f"{host_for_url(self.leader.address)}:{self.rendezvous_port}"
+
+
+@dataclass(frozen=True)
+class Unplaceable:
+    explanation: str
+    total: int
+    fit: int
+    # How many nodes each filter removed, by filter name, in chain order.
+    removed: Mapping[str, int]
+
+
+def host_for_url(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+@dataclass
+class _Removal:
+    """Nodes one filter removed, and the closest of them to fitting."""
+
+    nodes: list[str] = field(default_factory=list)
+    best: int = -1
+    best_node: str = ""
+
+    def add(self, node_id: str, value: int) -> None:
+        self.nodes.append(node_id)
+        if value > self.best or (value == self.best and node_id < self.best_node):
+            self.best, self.best_node = value, node_id
+
+
+# The filter chain, in order; each name is also a key of Unplaceable.removed.
+FILTERS = (
+    "lost",
+    "unreachable",
+    "address",
+    "gpu_name",
+    "gpu_memory",
+    "free_gpus",
+    "label",
+    "ports",
+)
+
+
+def _filter(node: NodeView, demand: Demand, lo: int, hi: int) -> tuple[str, int] | tuple[None, int]:
+    """The first filter that removes ``node`` and its near-miss value, or (None, free GPUs)."""
+    if node.state != READY:
+        return ("lost" if node.state == "LOST" else "unreachable"), 0
+    if not node.address:
+        return "address", 0
+    free = 0
+    if demand.gpus_per_node:
+        need = demand.gpus_per_node
+        eligible = node.eligible(demand.gpu_name, demand.min_memory_bytes)
+        if len(eligible) < need:
+            matching = node.matching(demand.gpu_name)
+            if matching < need:
+                return "gpu_name", matching
+            return "gpu_memory", len(eligible)
+        free = sum(1 for i in eligible if i not in node.used_gpus)
+        if free < need:
+            return "free_gpus", free
+    if demand.same_label and demand.same_label not in node.labels:
+        return "label", 0
+    if len(node.free_ports(lo, hi, demand.ports_per_node)) < demand.ports_per_node:
+        return "ports", 0
+    return None, free
+
+
+def _names(nodes: list[str]) -> str:
+    shown = sorted(nodes)[:3]
+    more = len(nodes) - len(shown)
+    return ", ".join(shown) + (f", +{more} more" if more else "")
+
+
+def _size(n: int) -> str:
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= factor:
+            return f"{n / factor:g}{unit}"
+    return f"{n}B"
+
+
+def _phrase(name: str, r: _Removal, demand: Demand, lo: int, hi: int) -> str:
+    n = len(r.nodes)
+    one = n == 1
+    has, is_ = ("has" if one else "have"), ("is" if one else "are")
+    need = demand.gpus_per_node
+    if name in ("lost", "unreachable"):
+        return f"{n} {is_} {name} ({_names(r.nodes)})"
+    if name == "address":
+        return f"{n} {has} no address on the management interface ({_names(r.nodes)})"
+    if name == "gpu_name":
+        return (
+            f"{n} {has} too few GPUs matching {demand.gpu_name!r} "
+            f"(need {need}, most is {r.best} on {r.best_node})"
+        )
+    if name == "gpu_memory":
+        return (
+            f"{n} {has} too few GPUs with {_size(demand.min_memory_bytes)} or more "
+            f"(need {need}, most is {r.best} on {r.best_node})"
+        )
+    if name == "free_gpus":
+        return f"{n} {has} too few free GPUs (need {need}, most free is {r.best} on {r.best_node})"
+    if name == "label":
+        return f"{n} {'lacks' if one else 'lack'} label {demand.same_label} ({_names(r.nodes)})"
+    return f"{n} {has} no free port in {lo}-{hi} (need {demand.ports_per_node}; {_names(r.nodes)})"
+
+
+def place(
+    demand: Demand, nodes: Iterable[NodeView], port_range: tuple[int, int]
+) -> Placement | Unplaceable:
+    """Choose nodes, GPUs and ports for one replica, or say why no node can take it."""
+    lo, hi = port_range
+    removals: dict[str, _Removal] = {}
+    fitting: list[tuple[int, NodeView]] = []
+    total = 0
+    for node in nodes:
+        total += 1
+        reason, value = _filter(node, demand, lo, hi)
+        if reason is None:
+            # Rank key: free GPUs left after placing here (fewest wins), or for
+            # CPU-only shards the most ports in use, so small shards pack together.
+            left = value - demand.gpus_per_node if demand.gpus_per_node else -len(node.used_ports)
+            fitting.append((left, node))
+        else:
+            removals.setdefault(reason, _Removal()).add(node.node_id, value)
+
+    chosen = _choose(demand, fitting)
+    if chosen is not None:
+        return _assign(demand, chosen, lo, hi)
+
+    removed = {name: len(removals[name].nodes) for name in FILTERS if name in removals}
+    # The filter that removed the most nodes comes first: it is what to fix first.
+    order = sorted(removed, key=lambda name: (-removed[name], FILTERS.index(name)))
+    parts = [_phrase(name, removals[name], demand, lo, hi) for name in order]
+    if total == 0:
+        text = "0 of 0 nodes fit: no agent has registered"
+    elif demand.nodes > 1 and fitting:
+        text = f"{len(fitting)} of {total} nodes fit, {_group_shortfall(demand, fitting)}"
+        if parts:
+            text += ": " + ", ".join(parts)
+    else:
+        text = f"0 of {total} nodes fit: " + ", ".join(parts)
+    return Unplaceable(text, total, len(fitting), removed)
+
+
+def _group_shortfall(demand: Demand, fitting: list[tuple[int, NodeView]]) -> str:
+    if not demand.same_label:
+        return f"need {demand.nodes}"
+    counts: dict[str, int] = {}
+    for _, node in fitting:
+        value = node.labels[demand.same_label]
+        counts[value] = counts.get(value, 0) + 1
+    best = min(counts, key=lambda v: (-counts[v], v))
+    return f"need {demand.nodes} sharing one {demand.same_label} (most is {counts[best]} in {best})"
+
+
+def _choose(demand: Demand, fitting: list[tuple[int, NodeView]]) -> list[NodeView] | None:
+    if len(fitting) < demand.nodes:
+        return None
+    if demand.nodes == 1:
+        _, node = min(fitting, key=lambda f: (f[0], f[1].node_id))
+        return [node]
+    groups: dict[str, list[tuple[int, NodeView]]] = {}
+    for entry in fitting:
+        value = entry[1].labels[demand.same_label] if demand.same_label else ""
+        groups.setdefault(value, []).append(entry)
+    best: tuple[int, str, list[NodeView]] | None = None
+    for value, members in groups.items():
+        if len(members) < demand.nodes:
+            continue
+        members.sort(key=lambda f: (f[0], f[1].node_id))
+        picked = members[: demand.nodes]
+        score = sum(left for left, _ in picked)
+        if best is None or (score, value) < (best[0], best[1]):
+            best = (score, value, [node for _, node in picked])
+    return None if best is None else best[2]
+
+
+def _assign(demand: Demand, chosen: Sequence[NodeView], lo: int, hi: int) -> Placement:
+    shards: list[ShardSlot] = []
+    rendezvous = 0
+    for rank, node in enumerate(chosen):
+        eligible = node.eligible(demand.gpu_name, demand.min_memory_bytes)
+        gpus = tuple([i for i in eligible if i not in node.used_gpus][: demand.gpus_per_node])
+        if not demand.gpus_per_node:
+            gpus = ()
+        ports = node.free_ports(lo, hi, demand.ports_per_node)
+        if rank == 0 and demand.nodes > 1:
+            rendezvous = ports[1]
+        shards.append(ShardSlot(node.node_id, rank, gpus, ports[0], node.address))
+    return Placement(tuple(shards), rendezvous)
+
+
+def commit(placement: Placement, nodes: Mapping[str, NodeView]) -> None:
+    """Mark a placement's GPUs and ports as used, so the next replica sees them taken."""
+    for shard in placement.shards:
+        node = nodes[shard.node_id]
+        node.used_gpus.update(shard.gpu_indices)
+        node.used_ports.add(shard.port)
+    if placement.rendezvous_port:
+        nodes[placement.leader.node_id].used_ports.add(placement.rendezvous_port)
