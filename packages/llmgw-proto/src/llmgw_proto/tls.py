@@ -6,10 +6,24 @@ certificate. ALPN offers only ``h2``, as gRPC requires.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["client_context", "peer_common_name", "server_context"]
+import structlog
+
+log = structlog.get_logger(__name__)
+
+__all__ = [
+    "CertReloader",
+    "PeerIdentity",
+    "client_context",
+    "peer_common_name",
+    "peer_identity",
+    "server_context",
+]
 
 
 def server_context(
@@ -41,3 +55,74 @@ def peer_common_name(peer_cert: dict[str, object] | None) -> str | None:
             if attr == "commonName":
                 return str(value)
     return None
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """Who is at the other end of a stream, from its certificate's subject."""
+
+    role: str  # node, router or server (the organizational unit)
+    name: str  # the common name: a node id, a router name, a host
+
+
+def peer_identity(peer_cert: dict[str, object] | None) -> PeerIdentity | None:
+    if not peer_cert:
+        return None
+    fields: dict[str, str] = {}
+    for rdn in peer_cert.get("subject", ()):  # type: ignore[attr-defined]
+        for attr, value in rdn:
+            fields[str(attr)] = str(value)
+    if "commonName" not in fields:
+        return None
+    return PeerIdentity(role=fields.get("organizationalUnitName", ""), name=fields["commonName"])
+
+
+class CertReloader:
+    """Re-reads certificate files into a live SSLContext when they change.
+
+    ``load_cert_chain`` on an existing context affects only new handshakes, so open
+    streams keep going while new ones get the rotated certificate.
+    """
+
+    def __init__(
+        self, ctx: ssl.SSLContext, cert: Path, key: Path, ca: Path, *, interval: float = 5.0
+    ) -> None:
+        self.ctx = ctx
+        self.files = (Path(cert), Path(key), Path(ca))
+        self.interval = interval
+        self._stamp = self._stamps()
+        self.reloads = 0
+
+    def _stamps(self) -> tuple[tuple[float, int], ...]:
+        out = []
+        for path in self.files:
+            try:
+                st = path.stat()
+                out.append((st.st_mtime, st.st_size))
+            except OSError:
+                out.append((0.0, -1))
+        return tuple(out)
+
+    def check(self) -> bool:
+        """Reload if any file changed since the last look; True when it reloaded."""
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return False
+        cert, key, ca = self.files
+        try:
+            self.ctx.load_cert_chain(str(cert), str(key))
+            self.ctx.load_verify_locations(cafile=str(ca))
+        except (OSError, ssl.SSLError) as err:
+            # A half-written rotation: keep serving with what we have, try again later.
+            log.warning("certificate reload failed", error=str(err), cert=str(cert))
+            return False
+        self._stamp = stamp
+        self.reloads += 1
+        log.info("certificates reloaded", cert=str(cert))
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            with contextlib.suppress(Exception):
+                self.check()
