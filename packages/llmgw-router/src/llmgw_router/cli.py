@@ -2,12 +2,102 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+import msgspec
+from llmgw_proto.cli import fail, load_config_or_exit, log_options
+from llmgw_proto.config import ConfigError
 
 from llmgw_router import __version__
+from llmgw_router.config import RouterConfig, parse_endpoint_flag, validate
+from llmgw_router.endpoints import EndpointSpec
+
+__all__ = ["main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmgw-router")
 def main() -> None:
-    """llmgw-router."""
+    """llmgw-router: the OpenAI-compatible proxy in front of the engine replicas."""
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="router.yaml (or .toml); without it, defaults plus --endpoint flags.",
+)
+@click.option("--listen", help="HOST:PORT for the OpenAI API (overrides `listen`).")
+@click.option(
+    "--admin-listen", help="HOST:PORT for /metrics, /healthz, /readyz (overrides `admin_listen`)."
+)
+@click.option(
+    "--endpoint",
+    "endpoint_flags",
+    multiple=True,
+    metavar="ID=URL=MODEL[,MODEL]",
+    help="A static endpoint (profile `static`, weight 1); repeat for more.",
+)
+@click.option(
+    "--insecure", is_flag=True, help="Plaintext gRPC to the control plane (logs a warning)."
+)
+@log_options
+def serve(
+    config_path: Path | None,
+    listen: str | None,
+    admin_listen: str | None,
+    endpoint_flags: tuple[str, ...],
+    insecure: bool,
+) -> None:
+    """Serve the OpenAI API and proxy each request to an engine replica."""
+    cfg = load_config_or_exit(config_path, RouterConfig) if config_path else RouterConfig()
+    source = str(config_path) if config_path else "command line"
+    extra = []
+    for flag in endpoint_flags:
+        try:
+            extra.append(parse_endpoint_flag(flag))
+        except ValueError as err:
+            fail(f"--endpoint: {err}")
+    overrides: dict[str, object] = {}
+    if listen:
+        overrides["listen"] = listen
+    if admin_listen:
+        overrides["admin_listen"] = admin_listen
+    if extra:
+        overrides["endpoints"] = [*cfg.endpoints, *extra]
+    cfg = msgspec.structs.replace(cfg, **overrides)
+    if insecure and cfg.control is not None:
+        tls = msgspec.structs.replace(cfg.control.tls, insecure=True)
+        cfg = msgspec.structs.replace(cfg, control=msgspec.structs.replace(cfg.control, tls=tls))
+    try:
+        validate(cfg, source)
+    except ConfigError as err:
+        # A clash that only the flags produced is named as a flag.
+        message = str(err)
+        if extra and "endpoints[" in message and not config_path:
+            message = f"--endpoint: {err.message}"
+        elif listen and "$.listen" in message:
+            message = f"--listen: {err.message}"
+        elif admin_listen and "$.admin_listen" in message:
+            message = f"--admin-listen: {err.message}"
+        fail(message)
+    if not cfg.endpoints and cfg.control is None:
+        fail(
+            f"{source}: no endpoints: give `endpoints:` or `control:` in the config, or --endpoint"
+        )
+    static = tuple(
+        EndpointSpec(
+            id=e.id,
+            url=e.url.rstrip("/"),
+            models=tuple(e.models),
+            profile=e.profile,
+            weight=e.weight,
+            health_path=e.health_path,
+        )
+        for e in cfg.endpoints
+    )
+    from llmgw_router.server import run
+
+    run(cfg, static, insecure=insecure)

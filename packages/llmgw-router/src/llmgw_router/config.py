@@ -1,0 +1,198 @@
+"""The router's config file (`router.yaml`), as msgspec Structs.
+
+Every field has a default, so an empty file (or none, with `--endpoint` flags) is a
+valid router. Cross-field rules that msgspec cannot express are checked in
+:func:`validate`, which names the field like the loader does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from llmgw_proto.config import BaseConfig, ConfigError, Duration
+
+__all__ = [
+    "AffinityConfig",
+    "ControlConfig",
+    "Deadlines",
+    "DeadlinesOverride",
+    "EjectionConfig",
+    "EndpointConfig",
+    "HealthCheckConfig",
+    "RetryConfig",
+    "RouterConfig",
+    "TlsConfig",
+    "parse_endpoint_flag",
+    "validate",
+]
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+Balancer = Literal["least_outstanding", "round_robin", "session_affinity"]
+Server = Literal["uvicorn", "hypercorn"]
+
+
+class Deadlines(BaseConfig):
+    """Per-phase limits on one upstream attempt; `total` spans the whole request."""
+
+    connect: Duration = Duration(2.0)
+    # Until the engine's first body byte: a slow prefill counts here, not in `idle`.
+    first_byte: Duration = Duration(60.0)
+    idle: Duration = Duration(30.0)
+    total: Duration = Duration(600.0)
+
+
+class DeadlinesOverride(BaseConfig):
+    """A model's own deadlines; what is left out comes from the global ones."""
+
+    connect: Duration | None = None
+    first_byte: Duration | None = None
+    idle: Duration | None = None
+    total: Duration | None = None
+
+    def over(self, base: Deadlines) -> Deadlines:
+        return Deadlines(
+            connect=base.connect if self.connect is None else self.connect,
+            first_byte=base.first_byte if self.first_byte is None else self.first_byte,
+            idle=base.idle if self.idle is None else self.idle,
+            total=base.total if self.total is None else self.total,
+        )
+
+
+class RetryConfig(BaseConfig):
+    """Retries before the first byte went to the client, each on another endpoint."""
+
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
+    # The budget: each request earns `budget_ratio` retries, plus a floor per second,
+    # so a failing fleet is not hit by a retry storm.
+    budget_ratio: Annotated[float, msgspec.Meta(ge=0)] = 0.2
+    budget_min_per_second: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    retry_on_429: bool = True
+
+
+class EjectionConfig(BaseConfig):
+    """Passive outlier ejection from the failures real requests see."""
+
+    consecutive_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
+    base_time: Duration = Duration(5.0)
+    max_time: Duration = Duration(300.0)
+
+
+class HealthCheckConfig(BaseConfig):
+    """Active `GET <health_path>` on every endpoint."""
+
+    enabled: bool = True
+    interval: Duration = Duration(5.0)
+    timeout: Duration = Duration(2.0)
+    unhealthy_threshold: Annotated[int, msgspec.Meta(ge=1)] = 2
+    healthy_threshold: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class AffinityConfig(BaseConfig):
+    """Session affinity key: this header, else the body's `user` field."""
+
+    header: str = "x-session-id"
+
+
+class EndpointConfig(BaseConfig):
+    id: Annotated[str, msgspec.Meta(min_length=1)]
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+")]
+    models: Annotated[list[str], msgspec.Meta(min_length=1)]
+    profile: str = "static"
+    weight: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 1
+    health_path: str = "/health"
+
+
+class TlsConfig(BaseConfig):
+    insecure: bool = False
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+
+class ControlConfig(BaseConfig):
+    """The control plane whose `EndpointService.Watch` feeds the endpoint set."""
+
+    address: Annotated[str, msgspec.Meta(pattern=r"^[^:\s]+:\d+$")]
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    router_id: str = ""
+    backoff_base: Duration = Duration(0.5)
+    backoff_cap: Duration = Duration(30.0)
+
+
+class RouterConfig(BaseConfig):
+    listen: str = "0.0.0.0:8080"
+    admin_listen: str = "127.0.0.1:9090"
+    default_profile: str = ""
+    balancer: Balancer = "least_outstanding"
+    affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
+    models: dict[str, DeadlinesOverride] = msgspec.field(default_factory=dict)
+    retries: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    ejection: EjectionConfig = msgspec.field(default_factory=EjectionConfig)
+    health_checks: HealthCheckConfig = msgspec.field(default_factory=HealthCheckConfig)
+    endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
+    control: ControlConfig | None = None
+    # Seconds in-flight requests get to finish after SIGTERM.
+    shutdown_grace: Duration = Duration(30.0)
+    server: Server = "uvicorn"
+    # Upstream connection pool: per-endpoint keep-alive connections.
+    pool_per_endpoint: Annotated[int, msgspec.Meta(ge=0)] = 0
+    keepalive: Duration = Duration(60.0)
+
+    def deadlines_for(self, model: str) -> Deadlines:
+        override = self.models.get(model)
+        return self.deadlines if override is None else override.over(self.deadlines)
+
+
+def _host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def validate(cfg: RouterConfig, source: str) -> RouterConfig:
+    """Rules across fields; raises :class:`ConfigError` naming the field."""
+    for name in ("listen", "admin_listen"):
+        if not _host_port(getattr(cfg, name)):
+            raise ConfigError(
+                source, f"Expected HOST:PORT, got {getattr(cfg, name)!r}", f"$.{name}"
+            )
+    seen: set[str] = set()
+    for i, ep in enumerate(cfg.endpoints):
+        if ep.id in seen:
+            raise ConfigError(source, f"duplicate endpoint id {ep.id!r}", f"$.endpoints[{i}].id")
+        seen.add(ep.id)
+    if cfg.ejection.max_time < cfg.ejection.base_time:
+        raise ConfigError(source, "must be >= ejection.base_time", "$.ejection.max_time")
+    if cfg.control is not None:
+        tls = cfg.control.tls
+        if not tls.insecure:
+            for name in ("cert", "key", "ca"):
+                if not getattr(tls, name):
+                    raise ConfigError(
+                        source,
+                        "required unless control.tls.insecure is true (or --insecure)",
+                        f"$.control.tls.{name}",
+                    )
+        if cfg.control.backoff_cap < cfg.control.backoff_base or cfg.control.backoff_base <= 0:
+            raise ConfigError(source, "need 0 < backoff_base <= backoff_cap", "$.control")
+    return cfg
+
+
+def parse_endpoint_flag(value: str) -> EndpointConfig:
+    """`id=URL=model[,model]` from `--endpoint`; raises ValueError saying what is wrong."""
+    parts = value.split("=")
+    if len(parts) != 3:
+        raise ValueError(f"expected id=URL=model[,model], got {value!r}")
+    ident, url, models = (p.strip() for p in parts)
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    if not ident:
+        raise ValueError(f"empty endpoint id in {value!r}")
+    if not url.startswith(("http://", "https://")) or len(url.split("//", 1)[1]) == 0:
+        raise ValueError(f"URL must start with http:// or https:// in {value!r}")
+    if not names:
+        raise ValueError(f"no model names in {value!r}")
+    return EndpointConfig(id=ident, url=url.rstrip("/"), models=names, profile="static")

@@ -1,0 +1,172 @@
+"""Running the router: the proxy and admin servers, background tasks, shutdown.
+
+SIGTERM (or SIGINT) first marks the router draining (`/readyz` fails), then the
+proxy server stops accepting and gives in-flight requests `shutdown_grace`
+seconds; the admin server, watcher and health checks stop last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import structlog
+import uvicorn
+
+from llmgw_router.admin import admin_app
+from llmgw_router.config import RouterConfig
+from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
+from llmgw_router.health import HealthChecker
+from llmgw_router.metrics import Metrics
+from llmgw_router.proxy import ProxyApp, RouterState
+from llmgw_router.watch import EndpointWatcher
+
+__all__ = ["run", "serve"]
+
+log = structlog.get_logger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: this module decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _uvicorn(app: Any, address: str, grace: float) -> _Server:
+    host, port = _split(address)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=int(grace) or 1,
+        timeout_keep_alive=75,
+        backlog=4096,
+    )
+    return _Server(config)
+
+
+async def serve(
+    config: RouterConfig, static: tuple[EndpointSpec, ...], *, insecure: bool = False
+) -> None:
+    metrics = Metrics()
+    state = RouterState(
+        config, EndpointSet((Endpoint(spec=s) for s in static), source="static"), metrics
+    )
+    connector = aiohttp.TCPConnector(
+        limit=0,
+        limit_per_host=config.pool_per_endpoint,
+        keepalive_timeout=config.keepalive,
+        ttl_dns_cache=300,
+    )
+    # Bodies pass through byte for byte: no decompression, no cookie handling.
+    session = aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent",),
+    )
+    proxy = ProxyApp(state, session)
+    background: list[asyncio.Task[None]] = []
+    if config.health_checks.enabled:
+        background.append(asyncio.create_task(HealthChecker(state, session).run()))
+    if config.control is not None:
+        watcher = EndpointWatcher(
+            state,
+            config.control,
+            insecure=insecure,
+            router_id=config.control.router_id or socket.gethostname(),
+            static=static,
+        )
+        if insecure or config.control.tls.insecure:
+            log.warning(
+                "control plane stream is plaintext (--insecure); use only on a trusted network"
+            )
+        background.append(asyncio.create_task(watcher.run()))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    admin_server = _uvicorn(admin_app(state), config.admin_listen, 1.0)
+    admin_task = asyncio.create_task(admin_server.serve())
+    proxy_task: asyncio.Task[Any]
+    proxy_server: _Server | None = None
+    hypercorn_stop = asyncio.Event()
+    if config.server == "hypercorn":
+        from hypercorn.asyncio import serve as hypercorn_serve
+        from hypercorn.config import Config as HypercornConfig
+
+        hc = HypercornConfig()
+        hc.bind = [config.listen]
+        hc.graceful_timeout = config.shutdown_grace
+        hc.accesslog = None
+        hc.keep_alive_timeout = 75
+        proxy_task = asyncio.create_task(
+            hypercorn_serve(proxy, hc, shutdown_trigger=hypercorn_stop.wait)  # type: ignore[arg-type]
+        )
+    else:
+        proxy_server = _uvicorn(proxy, config.listen, config.shutdown_grace)
+        proxy_task = asyncio.create_task(proxy_server.serve())
+    log.info(
+        "router starting",
+        listen=config.listen,
+        admin_listen=config.admin_listen,
+        server=config.server,
+        endpoints=len(static),
+        balancer=config.balancer,
+    )
+    stop_wait = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait(
+        {stop_wait, proxy_task, admin_task}, return_when=asyncio.FIRST_COMPLETED
+    )
+    if stop_wait in done:
+        log.info("shutting down", in_flight=state.in_flight, grace=config.shutdown_grace)
+    else:
+        stop_wait.cancel()
+    state.draining = True
+    if proxy_server is not None:
+        proxy_server.should_exit = True
+    hypercorn_stop.set()
+    with contextlib.suppress(Exception):
+        await proxy_task
+    admin_server.should_exit = True
+    with contextlib.suppress(Exception):
+        await admin_task
+    for task in background:
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
+    await session.close()
+    failed = [
+        t for t in (proxy_task, admin_task) if t.done() and not t.cancelled() and t.exception()
+    ]
+    if failed or (proxy_server is not None and not proxy_server.started):
+        raise SystemExit(1)
+    log.info("router stopped")
+
+
+def run(config: RouterConfig, static: tuple[EndpointSpec, ...], *, insecure: bool = False) -> None:
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.Runner()
+    with runner:
+        runner.run(serve(config, static, insecure=insecure))
