@@ -1,0 +1,5 @@
+import sys
+
+from llmgw_sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,288 @@
+"""From an engine's parsed flags to one engine-neutral configuration."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from llmgw_sim.flags import FLAG_TABLES, EngineKind
+from llmgw_sim.knobs import Knobs
+
+# Versions reported by /version and in start-up logs: recent real releases.
+DEFAULT_VERSIONS: dict[EngineKind, str] = {
+    "vllm": "0.11.0",
+    "sglang": "0.5.4",
+    "llama-server": "6700",
+}
+
+
+class StartupError(Exception):
+    """The engine refuses to start; ``exc`` and message mimic the real engine's."""
+
+    def __init__(self, exc: str, message: str, *, phase: str = "config") -> None:
+        super().__init__(message)
+        self.exc = exc
+        self.message = message
+        self.phase = phase
+
+
+@dataclass
+class EngineConfig:
+    kind: EngineKind
+    model: str
+    served_names: list[str]
+    host: str
+    port: int
+    api_keys: list[str]
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    prefix_caching: bool
+    metrics_enabled: bool
+    version: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    dp_local: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    headless: bool = False
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    base_gpu_id: int = 0
+    memory_fraction: float | None = None
+    seed: int = 0
+    non_default_args: dict[str, object] = field(default_factory=dict)
+    knobs: Knobs = field(default_factory=Knobs)
+
+    @property
+    def primary_name(self) -> str:
+        return self.served_names[0]
+
+    @property
+    def gpus_needed(self) -> int:
+        """Devices this node's ranks use."""
+        world = self.tp * self.pp
+        per_node = max(1, world // self.nnodes) if self.nnodes > 1 else world
+        if self.dp_local is not None:
+            dp_here = self.dp_local
+        elif self.nnodes > 1:
+            dp_here = max(1, self.dp // self.nnodes)
+        else:
+            dp_here = self.dp
+        return per_node * dp_here
+
+
+def _non_default(kind: EngineKind, ns: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for flag in FLAG_TABLES[kind]:
+        value = getattr(ns, flag.dest, None)
+        if value != flag.default:
+            out[flag.dest] = value
+    return out
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise StartupError("ValueError", f"{name} must be a positive number, got {value}")
+
+
+def from_args(kind: EngineKind, ns: argparse.Namespace, knobs: Knobs) -> EngineConfig:
+    """Build the configuration; raises StartupError the way the engine's own checks would."""
+    non_default = _non_default(kind, ns)
+    version = knobs.version or DEFAULT_VERSIONS[kind]
+    if kind == "vllm":
+        model = ns.model_tag or ns.model
+        if ns.model_tag:
+            non_default["model"] = ns.model_tag
+        names = list(ns.served_model_name or [model])
+        for name, value in (
+            ("tensor_parallel_size", ns.tensor_parallel_size),
+            ("pipeline_parallel_size", ns.pipeline_parallel_size),
+            ("data_parallel_size", ns.data_parallel_size),
+            ("max_num_seqs", ns.max_num_seqs),
+            ("max_model_len", ns.max_model_len),
+            ("nnodes", ns.nnodes),
+        ):
+            _positive(name, value)
+        if not 0 < ns.gpu_memory_utilization <= 1:
+            raise StartupError(
+                "ValueError",
+                f"GPU memory utilization must be within (0, 1]. Got {ns.gpu_memory_utilization}.",
+            )
+        if ns.nnodes > 1 and not 0 <= ns.node_rank < ns.nnodes:
+            raise StartupError(
+                "ValueError", f"node_rank ({ns.node_rank}) must be in [0, nnodes={ns.nnodes})"
+            )
+        world = ns.tensor_parallel_size * ns.pipeline_parallel_size
+        if ns.nnodes > 1 and world % ns.nnodes:
+            raise StartupError(
+                "ValueError",
+                f"world_size ({world}) must be divisible by nnodes ({ns.nnodes}) "
+                "for multi-node multiprocessing.",
+            )
+        return EngineConfig(
+            kind=kind,
+            model=model,
+            served_names=names,
+            host=ns.host or "0.0.0.0",
+            port=ns.port,
+            api_keys=list(ns.api_key or []),
+            max_model_len=ns.max_model_len or 32768,
+            max_num_seqs=ns.max_num_seqs or 256,
+            block_size=knobs.block_size or ns.block_size or 16,
+            prefix_caching=ns.enable_prefix_caching is not False,
+            metrics_enabled=True,
+            version=version,
+            tp=ns.tensor_parallel_size,
+            pp=ns.pipeline_parallel_size,
+            dp=ns.data_parallel_size,
+            dp_local=ns.data_parallel_size_local,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            headless=ns.headless,
+            master_addr=ns.master_addr,
+            master_port=ns.master_port,
+            memory_fraction=ns.gpu_memory_utilization,
+            seed=ns.seed,
+            non_default_args=non_default,
+            knobs=knobs,
+        )
+    if kind == "sglang":
+        for name, value in (
+            ("tp_size", ns.tensor_parallel_size),
+            ("pp_size", ns.pipeline_parallel_size),
+            ("dp_size", ns.data_parallel_size),
+            ("max_running_requests", ns.max_running_requests),
+            ("context_length", ns.context_length),
+            ("nnodes", ns.nnodes),
+            ("page_size", ns.page_size),
+        ):
+            _positive(name, value)
+        if ns.mem_fraction_static is not None and not 0 < ns.mem_fraction_static < 1:
+            raise StartupError(
+                "ValueError", f"mem_fraction_static must be in (0, 1), got {ns.mem_fraction_static}"
+            )
+        return EngineConfig(
+            kind=kind,
+            model=ns.model_path,
+            served_names=[ns.served_model_name or ns.model_path],
+            host=ns.host,
+            port=ns.port,
+            api_keys=[ns.api_key] if ns.api_key else [],
+            max_model_len=ns.context_length or 32768,
+            max_num_seqs=ns.max_running_requests or 256,
+            block_size=knobs.block_size or ns.page_size,
+            prefix_caching=not ns.disable_radix_cache,
+            metrics_enabled=ns.enable_metrics,
+            version=version,
+            tp=ns.tensor_parallel_size,
+            pp=ns.pipeline_parallel_size,
+            dp=ns.data_parallel_size,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            base_gpu_id=ns.base_gpu_id,
+            memory_fraction=ns.mem_fraction_static,
+            seed=ns.random_seed or 0,
+            non_default_args=non_default,
+            knobs=knobs,
+        )
+    # llama-server
+    if ns.ctx_size < 0:
+        raise StartupError("ValueError", f"invalid ctx-size: {ns.ctx_size}")
+    model = ns.model or (ns.hf_repo or "")
+    keys: list[str] = []
+    if ns.api_key:
+        # llama.cpp takes several keys separated by commas.
+        keys = [k for k in ns.api_key.split(",") if k]
+    parallel = ns.parallel if ns.parallel > 0 else 4
+    return EngineConfig(
+        kind=kind,
+        model=model,
+        served_names=[ns.alias or model],
+        host=ns.host,
+        port=ns.port,
+        api_keys=keys,
+        max_model_len=ns.ctx_size or 4096,
+        max_num_seqs=parallel,
+        block_size=knobs.block_size or 16,
+        prefix_caching=True,
+        metrics_enabled=ns.metrics,
+        version=version,
+        seed=ns.seed if ns.seed >= 0 else 0,
+        non_default_args=non_default,
+        knobs=knobs,
+    )
+
+
+def visible_devices(environ: Mapping[str, str], default_count: int) -> tuple[int, str | None]:
+    """(number of visible GPUs, the CUDA_VISIBLE_DEVICES value or None when unset)."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return default_count, None
+    return len([d for d in value.split(",") if d.strip()]), value
+
+
+def check_devices(config: EngineConfig, environ: Mapping[str, str]) -> None:
+    """Fail like the engine does when its GPUs are not what its flags ask for."""
+    if config.kind == "llama-server":
+        return  # llama.cpp falls back to whatever devices (or the CPU) it finds.
+    count, raw = visible_devices(environ, config.knobs.num_gpus)
+    needed = config.gpus_needed
+    if config.kind == "sglang":
+        last = config.base_gpu_id + needed
+        if count == 0:
+            raise StartupError("RuntimeError", "No CUDA GPUs are available", phase="load")
+        if last > count or (raw is not None and needed != count):
+            raise StartupError(
+                "RuntimeError",
+                "CUDA error: invalid device ordinal (tp_size*pp_size*dp_size="
+                f"{needed} GPUs from base_gpu_id {config.base_gpu_id}, "
+                f"{count} visible; CUDA_VISIBLE_DEVICES={raw})",
+                phase="load",
+            )
+        return
+    if count == 0:
+        raise StartupError("RuntimeError", "No CUDA GPUs are available")
+    if needed > count:
+        raise StartupError(
+            "ValueError",
+            f"World size ({needed}) is larger than the number of available GPUs ({count}) in "
+            "this node. If this is intentional and you are using:\n"
+            "- ray, set '--distributed-executor-backend ray'.\n"
+            "- multiprocessing, set '--nnodes' appropriately.",
+        )
+    if raw is not None and needed != count:
+        # Real vLLM would quietly leave GPUs idle; the simulator refuses so a
+        # placement bug (devices handed out but not used) cannot go unnoticed.
+        raise StartupError(
+            "ValueError",
+            f"World size ({needed}) does not match the number of visible GPUs ({count}): "
+            f"CUDA_VISIBLE_DEVICES={raw} (llmgw-sim requires an exact match)",
+        )
+
+
+def check_memory(config: EngineConfig) -> None:
+    knobs = config.knobs
+    total = knobs.gpu_memory_gib
+    free = knobs.free_memory_fraction * total
+    if config.kind == "vllm":
+        util = config.memory_fraction or 0.9
+        if knobs.free_memory_fraction < util:
+            raise StartupError(
+                "ValueError",
+                f"Free memory on device cuda:0 ({free:.2f}/{total:.2f} GiB) on startup is less "
+                f"than desired GPU memory utilization ({util}, {util * total:.2f} GiB). "
+                "Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+                phase="load",
+            )
+    elif config.kind == "sglang":
+        frac = config.memory_fraction or 0.88
+        if knobs.free_memory_fraction < frac:
+            raise StartupError(
+                "RuntimeError",
+                f"Not enough memory. avail mem={free:.2f} GB, mem_fraction_static={frac}. "
+                "Please try to increase --mem-fraction-static.",
+                phase="load",
+            )

@@ -1,0 +1,330 @@
+"""The simulated engine's pure logic: tokens, prefix cache, batch slots, timing.
+
+Nothing here does I/O or reads the clock, so all of it is unit-testable; the
+server wires it to asyncio.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+# A crude tokenizer: words, single punctuation marks, and runs of whitespace
+# glued to the following word.  It is deterministic and fast, which is all the
+# timing model and the prefix cache need.
+_TOKEN_RE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN_RE.findall(text)
+
+
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "been",
+    "one",
+    "all",
+    "we",
+    "their",
+    "has",
+    "would",
+    "when",
+    "if",
+    "so",
+    "no",
+    "will",
+    "can",
+    "more",
+    "its",
+    "about",
+    "out",
+    "up",
+    "into",
+    "them",
+    "only",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+]
+
+
+def generate_tokens(count: int, seed: int) -> list[str]:
+    """``count`` word tokens, the same for the same seed."""
+    n = len(_WORDS)
+    # A multiplicative step co-prime to len(_WORDS) walks the word list without
+    # the cost of a random generator per token.
+    step = 7 if n % 7 else 11
+    start = seed % n
+    return [" " + _WORDS[(start + i * step) % n] for i in range(count)]
+
+
+def echo_tokens(prompt_tokens: Sequence[str], count: int) -> list[str]:
+    """The prompt's own tokens, repeated to ``count`` tokens (echo mode)."""
+    if not prompt_tokens:
+        return generate_tokens(count, 0)
+    reps = count // len(prompt_tokens) + 1
+    return (list(prompt_tokens) * reps)[:count]
+
+
+class PrefixCache:
+    """A block-granular prefix cache with LRU eviction, like vLLM's.
+
+    A prompt's full blocks are hashed in a chain (each block's hash covers all
+    tokens before it), so a hit on block *i* means the whole prefix matched.
+    Counters are in tokens, as vLLM's ``prefix_cache_queries``/``hits`` are.
+    """
+
+    def __init__(self, block_size: int, capacity_blocks: int, *, enabled: bool = True) -> None:
+        if block_size <= 0 or capacity_blocks < 0:
+            raise ValueError("block_size must be > 0 and capacity_blocks >= 0")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.enabled = enabled
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def block_hashes(self, tokens: Sequence[Hashable]) -> list[int]:
+        bs = self.block_size
+        hashes: list[int] = []
+        prev = 0
+        for start in range(0, len(tokens) - bs + 1, bs):
+            prev = hash((prev, *tokens[start : start + bs]))
+            hashes.append(prev)
+        return hashes
+
+    def lookup(self, tokens: Sequence[Hashable]) -> tuple[int, list[int]]:
+        """Return (cached prefix length in tokens, the prompt's block hashes)."""
+        if not self.enabled:
+            return 0, []
+        hashes = self.block_hashes(tokens)
+        # The last prompt token is always computed (its logits give the first
+        # output token), so a fully cached prompt still leaves one token to do.
+        usable = (len(tokens) - 1) // self.block_size if tokens else 0
+        hit_blocks = 0
+        for h in hashes[:usable]:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            hit_blocks += 1
+        hit_tokens = hit_blocks * self.block_size
+        self.queries += len(tokens)
+        self.hits += hit_tokens
+        return hit_tokens, hashes
+
+    def insert(self, hashes: Iterable[int]) -> None:
+        if not self.enabled:
+            return
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+class BatchSlots:
+    """At most ``max_running`` sequences run at once; the rest wait, first come first served."""
+
+    def __init__(self, max_running: int) -> None:
+        if max_running <= 0:
+            raise ValueError("max_running must be > 0")
+        self.max_running = max_running
+        self._running: set[int] = set()
+        self._waiting: deque[int] = deque()
+        self._waiting_set: set[int] = set()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting_set)
+
+    def is_running(self, rid: int) -> bool:
+        return rid in self._running
+
+    def submit(self, rid: int) -> bool:
+        """Add a request; True when it runs at once, False when it has to wait."""
+        if rid in self._running or rid in self._waiting_set:
+            raise ValueError(f"request {rid} submitted twice")
+        if len(self._running) < self.max_running and not self._waiting_set:
+            self._running.add(rid)
+            return True
+        self._waiting.append(rid)
+        self._waiting_set.add(rid)
+        return False
+
+    def release(self, rid: int) -> list[int]:
+        """Remove a request (finished, failed or abandoned); return those that start now."""
+        if rid in self._waiting_set:
+            self._waiting_set.discard(rid)
+            # Left in the deque and skipped when popped: O(1) cancellation.
+            return []
+        if rid not in self._running:
+            return []
+        self._running.discard(rid)
+        started: list[int] = []
+        while self._waiting and len(self._running) < self.max_running:
+            nxt = self._waiting.popleft()
+            if nxt in self._waiting_set:
+                self._waiting_set.discard(nxt)
+                self._running.add(nxt)
+                started.append(nxt)
+        return started
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Token pace: time to first token grows with the prompt part not in the cache."""
+
+    ttft: float = 0.0
+    itl: float = 0.0
+    prefill_per_token: float = 0.0
+
+    def time_to_first_token(self, prompt_tokens: int, cached_tokens: int) -> float:
+        return self.ttft + self.prefill_per_token * max(0, prompt_tokens - cached_tokens)
+
+    def decode_time(self, output_tokens: int) -> float:
+        return self.itl * max(0, output_tokens - 1)
+
+
+def output_length(
+    *,
+    requested_max: int | None,
+    sim_output_len: int | None,
+    default_max_tokens: int,
+    prompt_tokens: int,
+    max_model_len: int,
+) -> tuple[int, str]:
+    """How many tokens to generate and the finish reason ("length" or "stop")."""
+    room = max(0, max_model_len - prompt_tokens)
+    limit = requested_max if requested_max is not None else room
+    want = (
+        sim_output_len
+        if sim_output_len is not None
+        else (requested_max if requested_max is not None else default_max_tokens)
+    )
+    count = min(want, limit, room)
+    # Hitting the request's (or the context's) limit reads as "length", exactly
+    # as a real engine reports a generation cut short.
+    return count, ("length" if count >= limit else "stop")

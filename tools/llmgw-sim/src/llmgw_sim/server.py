@@ -1,0 +1,680 @@
+"""The simulated engine's HTTP API (aiohttp) on top of the pure model in :mod:`model`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import os
+import random
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmgw_sim import metrics
+from llmgw_sim.config import EngineConfig
+from llmgw_sim.model import (
+    BatchSlots,
+    PrefixCache,
+    Timing,
+    echo_tokens,
+    generate_tokens,
+    output_length,
+    tokenize,
+)
+from llmgw_sim.protocol import (
+    BadRequest,
+    Generation,
+    decode_body,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
+
+ERROR_HEADER = "X-Sim-Error"
+ERROR_MESSAGE_HEADER = "X-Sim-Error-Message"
+STALL_HEADER = "X-Sim-Stall-After"
+
+_enc = msgspec.json.encode
+_JSON = "application/json"
+
+_VLLM_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    404: "NotFoundError",
+    429: "TooManyRequestsError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+_LLAMA_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Engine:
+    """One simulated engine: scheduler, prefix cache, statistics, lifecycle state."""
+
+    def __init__(self, config: EngineConfig, on_crash: Callable[[str], None]) -> None:
+        self.config = config
+        self.kind = config.kind
+        knobs = config.knobs
+        self.knobs = knobs
+        self.timing = Timing(knobs.ttft, knobs.itl, knobs.prefill_per_token)
+        capacity_blocks = max(1, knobs.kv_cache_tokens // config.block_size)
+        self.cache = PrefixCache(config.block_size, capacity_blocks, enabled=config.prefix_caching)
+        self.slots = BatchSlots(config.max_num_seqs)
+        self.kv_tokens_in_use = 0
+        self.stats = metrics.Stats(
+            running=lambda: self.slots.running,
+            waiting=lambda: self.slots.waiting,
+            kv_usage=lambda: min(1.0, self.kv_tokens_in_use / knobs.kv_cache_tokens),
+            kv_tokens=lambda: self.kv_tokens_in_use,
+            prefix_queries=lambda: self.cache.queries,
+            prefix_hits=lambda: self.cache.hits,
+        )
+        self.ready = False
+        self.draining = False
+        self.completed = 0
+        self.created = int(time.time())
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._next_rid = 0
+        self._id_prefix = os.urandom(6).hex()
+        self._rng = random.Random(knobs.seed)
+        self._on_crash = on_crash
+        self._names = set(config.served_names)
+        self._auth = {f"Bearer {k}" for k in config.api_keys}
+        self._model_json = _enc(config.primary_name)
+
+    # ----- scheduling -------------------------------------------------------
+
+    async def acquire(self) -> int:
+        self._next_rid += 1
+        rid = self._next_rid
+        if not self.slots.submit(rid):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters[rid] = fut
+            try:
+                await fut
+            except BaseException:
+                self._waiters.pop(rid, None)
+                self.release(rid)
+                raise
+        return rid
+
+    def release(self, rid: int) -> None:
+        for started in self.slots.release(rid):
+            fut = self._waiters.pop(started, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def finished(self, reason: str) -> None:
+        self.stats.requests_ok[reason] = self.stats.requests_ok.get(reason, 0) + 1
+        self.completed += 1
+
+    def crash_due(self) -> bool:
+        limit = self.knobs.crash_after_requests
+        return limit is not None and self.completed >= limit
+
+    # ----- request plumbing -------------------------------------------------
+
+    def error(
+        self, status: int, message: str, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        if self.kind == "vllm":
+            body: dict[str, Any] = {
+                "error": {
+                    "message": message,
+                    "type": _VLLM_ERROR_TYPES.get(status, "InternalServerError"),
+                    "param": None,
+                    "code": status,
+                }
+            }
+        elif self.kind == "sglang":
+            body = {
+                "object": "error",
+                "message": message,
+                "type": _VLLM_ERROR_TYPES.get(status, "InternalServerError"),
+                "param": None,
+                "code": status,
+            }
+        else:
+            body = {
+                "error": {
+                    "code": status,
+                    "message": message,
+                    "type": _LLAMA_ERROR_TYPES.get(status, "server_error"),
+                }
+            }
+        return web.Response(status=status, body=_enc(body), content_type=_JSON, headers=headers)
+
+    def unauthorized(self) -> web.Response:
+        if self.kind == "llama-server":
+            return self.error(401, "Invalid API Key")
+        return web.Response(status=401, body=b'{"error":"Unauthorized"}', content_type=_JSON)
+
+    def authorized(self, request: web.Request) -> bool:
+        if not self._auth:
+            return True
+        header = request.headers.get("Authorization")
+        if header in self._auth:
+            return True
+        # llama.cpp also takes the key in X-Api-Key.
+        if self.kind == "llama-server":
+            key = request.headers.get("X-Api-Key")
+            return key is not None and f"Bearer {key}" in self._auth
+        return False
+
+    def loading_response(self) -> web.Response:
+        if self.kind == "llama-server":
+            return self.error(503, "Loading model")
+        return self.error(503, "The server is still loading the model.")
+
+    def check_model(self, model: str | None) -> web.Response | None:
+        if model is None or self.kind == "llama-server" or model in self._names:
+            return None
+        return self.error(404, f"The model `{model}` does not exist.")
+
+    def injected_error(self, request: web.Request) -> web.Response | None:
+        raw = request.headers.get(ERROR_HEADER)
+        if raw is not None:
+            try:
+                status = int(raw)
+            except ValueError:
+                return self.error(400, f"{ERROR_HEADER} must be an HTTP status code, got {raw!r}")
+            if not 400 <= status <= 599:
+                return self.error(400, f"{ERROR_HEADER} must be between 400 and 599, got {status}")
+            message = request.headers.get(ERROR_MESSAGE_HEADER, f"Simulated error {status}")
+            return self.error(status, message)
+        if self.knobs.error_rate and self._rng.random() < self.knobs.error_rate:
+            status = self.knobs.error_status
+            return self.error(status, f"Simulated error {status} (--sim-error-rate)")
+        return None
+
+    def context_error(self, gen: Generation, prompt_len: int) -> web.Response | None:
+        limit = self.config.max_model_len
+        if prompt_len >= limit:
+            return self.error(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+            )
+        if gen.max_tokens is not None and prompt_len + gen.max_tokens > limit:
+            return self.error(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {gen.max_tokens}. "
+                f"This model's maximum context length is {limit} tokens and your request has "
+                f"{prompt_len} input tokens ({gen.max_tokens} > {limit} - {prompt_len}).",
+            )
+        return None
+
+    def new_id(self, prefix: str) -> str:
+        self._next_rid += 1
+        return f"{prefix}{self._id_prefix}{self._next_rid:010x}"
+
+
+class Api:
+    """HTTP handlers; one instance per engine process."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.kind = engine.kind
+
+    # ----- guards -----------------------------------------------------------
+
+    def _gate(self, request: web.Request, *, inference: bool) -> web.Response | None:
+        eng = self.engine
+        if not eng.ready:
+            return eng.loading_response()
+        if inference and eng.draining:
+            return eng.error(503, "The server is shutting down.", {"Connection": "close"})
+        if not eng.authorized(request):
+            return eng.unauthorized()
+        return None
+
+    # ----- small endpoints --------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        if self.kind == "llama-server":
+            if not eng.ready:
+                return eng.loading_response()
+            return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
+        if not eng.ready:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        gate = self._gate(request, inference=False)
+        if self.kind == "llama-server" and not self.engine.ready:
+            return self.engine.loading_response()
+        if gate is not None and self.kind != "llama-server":
+            return gate
+        cfg = self.engine.config
+        created = self.engine.created
+        data: list[dict[str, Any]] = []
+        for name in cfg.served_names:
+            entry: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": {"vllm": "vllm", "sglang": "sglang"}.get(self.kind, "llamacpp"),
+            }
+            if self.kind == "vllm":
+                entry.update(root=cfg.model, parent=None, max_model_len=cfg.max_model_len)
+                entry["permission"] = [
+                    {
+                        "id": f"modelperm-{self.engine.new_id('')}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ]
+            elif self.kind == "sglang":
+                entry.update(root=name, max_model_len=cfg.max_model_len)
+            else:
+                entry["meta"] = {"n_ctx_train": cfg.max_model_len, "n_vocab": 32000}
+            data.append(entry)
+        body: dict[str, Any] = {"object": "list", "data": data}
+        if self.kind == "llama-server":
+            body["models"] = [
+                {"name": n, "model": n, "type": "model", "capabilities": ["completion"]}
+                for n in cfg.served_names
+            ]
+        return web.Response(body=_enc(body), content_type=_JSON)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.Response(body=_enc({"version": self.engine.config.version}), content_type=_JSON)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        if not eng.config.metrics_enabled:
+            if self.kind == "llama-server":
+                return eng.error(
+                    501, "This server does not support metrics endpoint. Start it with `--metrics`"
+                )
+            return web.Response(status=404, text="Not Found")
+        if self.kind == "llama-server":
+            if not eng.ready:
+                return eng.loading_response()
+            if not eng.authorized(request):
+                return eng.unauthorized()
+        text = metrics.render(self.kind, eng.stats, eng.config.primary_name)
+        return web.Response(
+            body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.engine.config
+        return web.Response(
+            body=_enc(
+                {
+                    "model_path": cfg.model,
+                    "tokenizer_path": cfg.model,
+                    "is_generation": True,
+                    "preferred_sampling_params": None,
+                }
+            ),
+            content_type=_JSON,
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        cfg = self.engine.config
+        info: dict[str, Any] = {
+            "model_path": cfg.model,
+            "served_model_name": cfg.primary_name,
+            "tp_size": cfg.tp,
+            "dp_size": cfg.dp,
+            "context_length": cfg.max_model_len,
+            "max_running_requests": cfg.max_num_seqs,
+            "port": cfg.port,
+            "host": cfg.host,
+            "version": cfg.version,
+        }
+        return web.Response(body=_enc(info), content_type=_JSON)
+
+    async def props(self, request: web.Request) -> web.Response:
+        if not self.engine.ready:
+            return self.engine.loading_response()
+        cfg = self.engine.config
+        body = {
+            "default_generation_settings": {"n_ctx": cfg.max_model_len, "params": {}},
+            "total_slots": cfg.max_num_seqs,
+            "model_path": cfg.model,
+            "model_alias": cfg.primary_name,
+            "build_info": f"b{cfg.version}-llmgwsim",
+            "chat_template": "",
+        }
+        return web.Response(body=_enc(body), content_type=_JSON)
+
+    # ----- embeddings -------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        gate = self._gate(request, inference=True)
+        if gate is not None:
+            return gate
+        try:
+            req = parse_embedding(decode_body(await request.read()))
+        except BadRequest as err:
+            return eng.error(400, str(err))
+        bad = eng.check_model(req.model) or eng.injected_error(request)
+        if bad is not None:
+            return bad
+        dim = req.dimensions or eng.knobs.embedding_dim
+        data: list[dict[str, Any]] = []
+        prompt_tokens = 0
+        for i, item in enumerate(req.inputs):
+            tokens: list[Any] = tokenize(item) if isinstance(item, str) else item
+            prompt_tokens += len(tokens)
+            if len(tokens) > eng.config.max_model_len:
+                return eng.error(
+                    400,
+                    f"This model's maximum context length is {eng.config.max_model_len} tokens. "
+                    f"However, you requested {len(tokens)} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input.",
+                )
+            vec = _embedding(item, dim)
+            emb: Any = vec
+            if req.encoding_format == "base64":
+                emb = base64.b64encode(struct.pack(f"<{dim}f", *vec)).decode()
+            data.append({"index": i, "object": "embedding", "embedding": emb})
+        eng.stats.prompt_tokens += prompt_tokens
+        body = {
+            "id": eng.new_id("embd-"),
+            "object": "list",
+            "created": int(time.time()),
+            "model": eng.config.primary_name if req.model is None else req.model,
+            "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+        return web.Response(body=_enc(body), content_type=_JSON)
+
+    # ----- generation -------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[[dict[str, Any]], Generation]
+    ) -> web.StreamResponse:
+        eng = self.engine
+        arrival = time.monotonic()
+        gate = self._gate(request, inference=True)
+        if gate is not None:
+            return gate
+        try:
+            gen = parse(decode_body(await request.read()))
+        except BadRequest as err:
+            return eng.error(400, str(err))
+        bad = eng.check_model(gen.model) or eng.injected_error(request)
+        if bad is not None:
+            return bad
+        prompt: list[Any] = (
+            gen.prompt_ids if gen.prompt_ids is not None else tokenize(gen.prompt_text)
+        )
+        prompt_len = len(prompt)
+        bad = eng.context_error(gen, prompt_len)
+        if bad is not None:
+            return bad
+        stall_after = eng.knobs.stall_after_tokens
+        stall_raw = request.headers.get(STALL_HEADER)
+        if stall_raw is not None:
+            try:
+                stall_after = int(stall_raw)
+            except ValueError:
+                return eng.error(400, f"{STALL_HEADER} must be an integer, got {stall_raw!r}")
+        knobs = eng.knobs
+        count, finish = output_length(
+            requested_max=gen.max_tokens,
+            sim_output_len=knobs.output_len,
+            default_max_tokens=knobs.default_max_tokens,
+            prompt_tokens=prompt_len,
+            max_model_len=eng.config.max_model_len,
+        )
+        if knobs.mode == "echo":
+            out_tokens = echo_tokens([str(t) for t in prompt], count)
+        else:
+            out_tokens = generate_tokens(count, knobs.seed + prompt_len)
+
+        rid = await eng.acquire()
+        kv_held = prompt_len
+        eng.kv_tokens_in_use += kv_held
+        try:
+            cached, hashes = eng.cache.lookup(prompt)
+            delay = eng.timing.time_to_first_token(prompt_len, cached)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            eng.cache.insert(hashes)
+            first_token_at = time.monotonic()
+            eng.stats.ttft.observe(first_token_at - arrival)
+            eng.stats.prompt_tokens += prompt_len
+            eng.stats.prompt_seconds += first_token_at - arrival
+            eng.kv_tokens_in_use += count
+            kv_held += count
+            if gen.stream:
+                resp = await self._stream(request, gen, out_tokens, finish, prompt_len, stall_after)
+            else:
+                decode = eng.timing.decode_time(count)
+                if decode > 0:
+                    await asyncio.sleep(decode)
+                resp = self._full(gen, out_tokens, finish, prompt_len)
+            done = time.monotonic()
+            eng.stats.generation_tokens += count
+            eng.stats.decode_seconds += done - first_token_at
+            eng.stats.decode_steps += count
+            if count > 1:
+                eng.stats.itl.observe_many((done - first_token_at) / (count - 1), count - 1)
+            eng.stats.e2e.observe(done - arrival)
+            eng.finished(finish)
+        finally:
+            eng.kv_tokens_in_use -= kv_held
+            eng.release(rid)
+        if eng.crash_due():
+            # Deliver this response completely, then die as the engine would.
+            await resp.prepare(request)
+            await resp.write_eof()
+            eng._on_crash(f"after {eng.completed} requests")
+        return resp
+
+    def _full(
+        self, gen: Generation, tokens: list[str], finish: str, prompt_len: int
+    ) -> web.Response:
+        eng = self.engine
+        text = "".join(tokens)
+        usage = {
+            "prompt_tokens": prompt_len,
+            "total_tokens": prompt_len + len(tokens),
+            "completion_tokens": len(tokens),
+            "prompt_tokens_details": None,
+        }
+        created = int(time.time())
+        body: dict[str, Any]
+        if gen.endpoint == "chat":
+            body = {
+                "id": eng.new_id("chatcmpl-"),
+                "object": "chat.completion",
+                "created": created,
+                "model": gen.model or eng.config.primary_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "tool_calls": [],
+                            "reasoning_content": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": usage,
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            }
+        else:
+            body = {
+                "id": eng.new_id("cmpl-"),
+                "object": "text_completion",
+                "created": created,
+                "model": gen.model or eng.config.primary_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": usage,
+                "kv_transfer_params": None,
+            }
+        return web.Response(body=_enc(body), content_type=_JSON)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        gen: Generation,
+        tokens: list[str],
+        finish: str,
+        prompt_len: int,
+        stall_after: int | None,
+    ) -> web.StreamResponse:
+        eng = self.engine
+        chat = gen.endpoint == "chat"
+        rid = eng.new_id("chatcmpl-" if chat else "cmpl-")
+        model = _enc(gen.model or eng.config.primary_name)
+        created = int(time.time())
+        obj = b"chat.completion.chunk" if chat else b"text_completion"
+        head = b'data: {"id":"%s","object":"%s","created":%d,"model":%s,"choices":[' % (
+            rid.encode(),
+            obj,
+            created,
+            model,
+        )
+        if chat:
+            open_ = head + b'{"index":0,"delta":{"content":'
+            mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+            end = (
+                b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n'
+                % finish.encode()
+            )
+        else:
+            open_ = head + b'{"index":0,"text":'
+            mid = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+            end = (
+                b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
+            )
+
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+            }
+        )
+        await resp.prepare(request)
+        parts: list[bytes] = []
+        if chat:
+            parts.append(
+                head + b'{"index":0,"delta":{"role":"assistant","content":""},'
+                b'"logprobs":null,"finish_reason":null}]}\n\n'
+            )
+        n = len(tokens)
+        itl = eng.timing.itl
+        if n == 0:
+            parts.append(open_ + b'""' + end)
+        for i, tok in enumerate(tokens):
+            if stall_after is not None and i >= stall_after:
+                if parts:
+                    await resp.write(b"".join(parts))
+                # Stalled: the connection stays open and silent until the client
+                # gives up or shutdown cancels us.
+                await asyncio.Event().wait()
+            parts.append(open_ + _enc(tok) + (end if i == n - 1 else mid))
+            if itl > 0:
+                await resp.write(b"".join(parts))
+                parts.clear()
+                if i < n - 1:
+                    await asyncio.sleep(itl)
+        if gen.include_usage:
+            parts.append(
+                head[: -len(b'"choices":[')]
+                + b'"choices":[],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}}\n\n'
+                % (prompt_len, prompt_len + n, n)
+            )
+        parts.append(b"data: [DONE]\n\n")
+        await resp.write(b"".join(parts))
+        await resp.write_eof()
+        return resp
+
+
+def _embedding(item: str | list[int], dim: int) -> list[float]:
+    """A deterministic unit vector derived from the input."""
+    seed = hash(item if isinstance(item, str) else tuple(item)) & 0xFFFFFFFF
+    rng = random.Random(seed)
+    vec = [rng.uniform(-1.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [v / norm for v in vec]
+
+
+def build_app(engine: Engine, *, health_only: bool = False) -> web.Application:
+    api = Api(engine)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    r = app.router
+    r.add_get("/health", api.health)
+    if engine.kind == "sglang":
+        r.add_get("/health_generate", api.health)
+    if health_only:
+        return app
+    r.add_get("/metrics", api.metrics)
+    r.add_get("/v1/models", api.models)
+    r.add_post("/v1/chat/completions", api.chat)
+    r.add_post("/v1/completions", api.completions)
+    r.add_post("/v1/embeddings", api.embeddings)
+    if engine.kind in ("vllm", "sglang"):
+        r.add_get("/version", api.version)
+    if engine.kind == "sglang":
+        r.add_get("/get_model_info", api.model_info)
+        r.add_get("/get_server_info", api.server_info)
+    if engine.kind == "llama-server":
+        r.add_get("/v1/health", api.health)
+        r.add_get("/models", api.models)
+        r.add_get("/props", api.props)
+        r.add_post("/chat/completions", api.chat)
+        r.add_post("/completions", api.completions)
+        r.add_post("/embeddings", api.embeddings)
+    return app
