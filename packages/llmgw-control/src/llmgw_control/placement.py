@@ -120,6 +120,8 @@ class Placement:
     shards: tuple[ShardSlot, ...]
     # The leader's rendezvous port for multi-node replicas; 0 for one node.
     rendezvous_port: int = 0
+    # Why these nodes: how many fit and what the rank preferred.
+    reason: str = ""
 
     @property
     def leader(self) -> ShardSlot:
@@ -257,7 +259,12 @@ def place(
 
     chosen = _choose(demand, fitting)
     if chosen is not None:
-        return _assign(demand, chosen, lo, hi)
+        placement = _assign(demand, chosen, lo, hi)
+        return Placement(
+            placement.shards,
+            placement.rendezvous_port,
+            f"{len(fitting)} of {total} nodes fit; {_why(demand, chosen, fitting)}",
+        )
 
     removed = {name: len(removals[name].nodes) for name in FILTERS if name in removals}
     # The filter that removed the most nodes comes first: it is what to fix first.
@@ -272,6 +279,21 @@ def place(
     else:
         text = f"0 of {total} nodes fit: " + ", ".join(parts)
     return Unplaceable(text, total, len(fitting), removed)
+
+
+def _why(demand: Demand, chosen: list[NodeView], fitting: list[tuple[int, NodeView]]) -> str:
+    names = ", ".join(n.node_id for n in chosen)
+    if demand.nodes > 1:
+        shared = (
+            f" sharing {demand.same_label}={chosen[0].labels[demand.same_label]}"
+            if (demand.same_label)
+            else ""
+        )
+        return f"chose {names}{shared} (leader {chosen[0].node_id})"
+    if not demand.gpus_per_node:
+        return f"chose {names} (CPU-only, packed with the most shards)"
+    left = next(left for left, node in fitting if node is chosen[0])
+    return f"chose {names}, the fullest that fits ({left} free GPUs left after this)"
 
 
 def _group_shortfall(demand: Demand, fitting: list[tuple[int, NodeView]]) -> str:

@@ -1,0 +1,536 @@
+"""Level-triggered reconciliation: compare what the catalog wants with what agents
+report, and say which commands close the gap.
+
+:func:`reconcile` is pure: it takes the catalog, the node records, the control
+plane's own replica records and the time, and returns new replica records and
+the commands to send. It is safe to run at any moment, as often as wanted:
+everything it sends is idempotent at the agent, and it remembers per node
+session what it already sent so it does not repeat itself. The thin async loop
+that runs it lives in :mod:`llmgw_control.server`.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from llmgw_proto import v1
+from llmgw_proto.backoff import exponential
+
+from llmgw_control.catalog import Catalog, ProfileSpec
+from llmgw_control.inventory import Node, NodeState, ShardReport
+from llmgw_control.placement import (
+    Demand,
+    NodeView,
+    Placement,
+    commit,
+    host_for_url,
+    place,
+)
+
+__all__ = [
+    "Command",
+    "ControlState",
+    "Decision",
+    "Drain",
+    "Replica",
+    "Settings",
+    "ShardPlan",
+    "Start",
+    "Stop",
+    "new_replica_id",
+    "reconcile",
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    port_range: tuple[int, int] = (20000, 29999)
+    mgmt_interface: str = ""
+    base_backoff: float = 5.0
+    max_backoff: float = 300.0
+    drain_timeout: float = 120.0
+    stop_grace: float = 30.0
+    # No new replicas this long after start: agents first report what they run.
+    startup_grace: float = 10.0
+    # How long an adopted multi-node replica may wait for its other ranks to report.
+    adopt_grace: float = 120.0
+
+
+@dataclass
+class ShardPlan:
+    """One shard of a replica, where control placed (or found) it."""
+
+    shard_id: str
+    node_id: str
+    rank: int
+    gpu_indices: tuple[int, ...]
+    port: int
+    address: str
+    # The node session in which StartShard went out; "" = not sent (yet, or again).
+    start_session: str = ""
+    drain_session: str = ""
+    stop_session: str = ""
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    model: str
+    profile: str
+    size: int = 1
+    shards: list[ShardPlan] = field(default_factory=list)
+    rendezvous_port: int = 0
+    leader_address: str = ""
+    # Placement attempts so far; part of shard ids so a retry never reuses one.
+    attempt: int = 0
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str = ""
+    last_output_tail: str = ""
+    # Why it is where it is, or why it is nowhere.
+    explanation: str = ""
+    adopted: bool = False
+    created_at: float = 0.0
+    ready_since: float | None = None
+    draining: bool = False
+    drain_deadline: float = 0.0
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.shards)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.shards) == self.size
+
+    def shard_id(self, rank: int) -> str:
+        base = f"{self.replica_id}-{rank}"
+        return base if self.attempt == 0 else f"{base}.{self.attempt}"
+
+
+@dataclass
+class ControlState:
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    # Stops sent for shards nobody wants: (node, shard) -> node session.
+    orphan_stops: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Replicas given up because their node was LOST: never adopt them back.
+    replaced: dict[str, float] = field(default_factory=dict)
+    started_at: float = 0.0
+    passes: int = 0
+
+
+@dataclass(frozen=True)
+class Start:
+    node_id: str
+    shard_id: str
+    replica_id: str
+    profile: ProfileSpec
+    rank: int
+    size: int
+    gpu_indices: tuple[int, ...]
+    port: int
+    leader_address: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    node_id: str
+    shard_id: str
+    grace: float
+
+
+@dataclass(frozen=True)
+class Drain:
+    node_id: str
+    shard_id: str
+    # Seconds from now until the agent stops it regardless.
+    within: float
+
+
+Command = Start | Stop | Drain
+
+
+@dataclass
+class Decision:
+    state: ControlState
+    commands: list[Command]
+
+
+def new_replica_id(model: str, profile: str) -> str:
+    return f"{model}.{profile}.{secrets.token_hex(4)}"
+
+
+def reconcile(
+    catalog: Catalog,
+    nodes: Mapping[str, Node],
+    state: ControlState,
+    now: float,
+    settings: Settings,
+    new_id: Callable[[str, str], str] = new_replica_id,
+) -> Decision:
+    """One pass: desired vs actual, as new records and the commands to send."""
+    return _Pass(catalog, nodes, copy.deepcopy(state), now, settings, new_id).run()
+
+
+class _Pass:
+    def __init__(
+        self,
+        catalog: Catalog,
+        nodes: Mapping[str, Node],
+        state: ControlState,
+        now: float,
+        settings: Settings,
+        new_id: Callable[[str, str], str],
+    ) -> None:
+        self.catalog = catalog
+        self.nodes = nodes
+        self.state = state
+        self.now = now
+        self.s = settings
+        self.new_id = new_id
+        self.commands: list[Command] = []
+
+    def run(self) -> Decision:
+        self.state.passes += 1
+        self._adopt()
+        for replica in list(self.state.replicas.values()):
+            self._check(replica)
+        self._scale()
+        self._place()
+        self._stop_orphans()
+        self._forget_old()
+        return Decision(self.state, self.commands)
+
+    # --- adoption ---------------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """Take over shards agents report that control does not know yet."""
+        planned = self._planned()
+        for node in self._ready_nodes():
+            for report in node.shards.values():
+                if report.shard_id in planned or report.state not in (
+                    v1.ShardState.VALIDATING,
+                    v1.ShardState.STARTING,
+                    v1.ShardState.READY,
+                ):
+                    continue
+                if report.replica_id in self.state.replaced:
+                    continue
+                profile = self.catalog.get(report.model, report.profile)
+                if profile is None or not _matches(report, profile):
+                    continue
+                replica = self.state.replicas.get(report.replica_id)
+                if replica is None:
+                    replica = Replica(
+                        report.replica_id,
+                        report.model,
+                        report.profile,
+                        size=profile.nodes,
+                        adopted=True,
+                        created_at=self.now,
+                        explanation=f"adopted: reported running by {node.node_id} at registration",
+                    )
+                    self.state.replicas[replica.replica_id] = replica
+                elif not (
+                    replica.adopted
+                    and replica.model == report.model
+                    and replica.profile == report.profile
+                    and all(p.rank != report.rank for p in replica.shards)
+                ):
+                    continue
+                replica.shards.append(
+                    ShardPlan(
+                        report.shard_id,
+                        node.node_id,
+                        report.rank,
+                        report.gpu_indices,
+                        report.port,
+                        node.address(self.s.mgmt_interface) or _url_host(report.endpoint_url),
+                        start_session=node.session_id,
+                    )
+                )
+                replica.shards.sort(key=lambda p: p.rank)
+                planned.add(report.shard_id)
+
+    # --- one replica ------------------------------------------------------------------
+
+    def _check(self, r: Replica) -> None:
+        if not r.placed:
+            if r.draining:
+                del self.state.replicas[r.replica_id]
+            return
+        shard_nodes = [self.nodes.get(p.node_id) for p in r.shards]
+        if any(n is None or n.state == NodeState.LOST for n in shard_nodes):
+            # The replica is gone with its node; a new one is placed elsewhere, and
+            # if the node comes back, what it still runs of this one is stopped.
+            self.state.replaced[r.replica_id] = self.now
+            del self.state.replicas[r.replica_id]
+            return
+        reports = [self._report(p) for p in r.shards]
+        if r.draining:
+            self._drain(r, reports)
+            return
+        failed = next(
+            (x for x in reports if x is not None and x.state in _ENDED),
+            None,
+        )
+        if failed is None and not r.complete and self.now - r.created_at > self.s.adopt_grace:
+            failed = ShardReport(
+                "", r.replica_id, v1.ShardState.FAILED, reason="not every rank reported back"
+            )
+        if failed is not None:
+            self._fail(r, failed)
+            return
+        if not r.complete:
+            return
+        for plan, report, node in zip(r.shards, reports, shard_nodes, strict=True):
+            assert node is not None
+            if (
+                report is None
+                and node.state == NodeState.READY
+                and plan.start_session != node.session_id
+            ):
+                plan.start_session = node.session_id
+                self.commands.append(self._start(r, plan))
+        if all(x is not None and x.state == v1.ShardState.READY for x in reports):
+            if r.ready_since is None:
+                r.ready_since = self.now
+            r.failures = 0
+        else:
+            r.ready_since = None
+
+    def _fail(self, r: Replica, report: ShardReport) -> None:
+        r.failures += 1
+        why = report.reason or _exit_text(report) or v1.ShardState(report.state).name
+        r.last_error = f"{report.shard_id or r.replica_id}: {why}"
+        r.last_output_tail = report.output_tail
+        delay = exponential(r.failures - 1, self.s.base_backoff, self.s.max_backoff)
+        r.retry_at = self.now + delay
+        r.explanation = f"failed {r.failures} time(s); retry in {delay:g}s after: {why}"
+        # Shards still running become orphans and are stopped below.
+        r.shards = []
+        r.attempt += 1
+        r.ready_since = None
+        r.rendezvous_port = 0
+        r.leader_address = ""
+
+    def _drain(self, r: Replica, reports: list[ShardReport | None]) -> None:
+        """Drain every shard once per node session; stop what outlives the deadline."""
+        done = True
+        for plan, report in zip(r.shards, reports, strict=True):
+            node = self.nodes[plan.node_id]
+            if report is not None and report.state in _ENDED:
+                continue
+            if report is None and node.state == NodeState.READY:
+                continue  # the agent does not run it (any more)
+            done = False
+            if node.state != NodeState.READY:
+                continue
+            if plan.drain_session != node.session_id:
+                plan.drain_session = node.session_id
+                self.commands.append(
+                    Drain(node.node_id, plan.shard_id, max(r.drain_deadline - self.now, 0.0))
+                )
+            elif (
+                self.now > r.drain_deadline + self.s.stop_grace
+                and plan.stop_session != node.session_id
+            ):
+                plan.stop_session = node.session_id
+                self.commands.append(Stop(node.node_id, plan.shard_id, self.s.stop_grace))
+        if done:
+            del self.state.replicas[r.replica_id]
+
+    # --- desired counts -----------------------------------------------------------------
+
+    def _scale(self) -> None:
+        by_profile: dict[tuple[str, str], list[Replica]] = {}
+        for r in self.state.replicas.values():
+            if not r.draining:
+                by_profile.setdefault((r.model, r.profile), []).append(r)
+        for key, live in by_profile.items():
+            profile = self.catalog.get(*key)
+            wanted = profile.replicas if profile is not None else 0
+            if len(live) <= wanted:
+                continue
+            # Give up the least useful first: unplaced, then not ready, then the newest.
+            live.sort(key=self._keep_order)
+            for r in live[wanted:]:
+                if not r.placed:
+                    del self.state.replicas[r.replica_id]
+                    continue
+                r.draining = True
+                r.drain_deadline = self.now + self.s.drain_timeout
+                r.explanation = "draining: more replicas than the catalog wants"
+                self._drain(r, [self._report(p) for p in r.shards])
+        if self.now < self.state.started_at + self.s.startup_grace:
+            return
+        for profile in self.catalog.profiles:
+            have = len(by_profile.get(profile.key, []))
+            for _ in range(profile.replicas - have):
+                rid = self.new_id(profile.model, profile.name)
+                self.state.replicas[rid] = Replica(
+                    rid, profile.model, profile.name, size=profile.nodes, created_at=self.now
+                )
+
+    def _keep_order(self, r: Replica) -> tuple[int, float, str]:
+        if not r.placed:
+            rank = 0
+        elif r.ready_since is None:
+            rank = 1
+        else:
+            rank = 2
+        return (-rank, r.ready_since if r.ready_since is not None else 0.0, r.replica_id)
+
+    # --- placement ----------------------------------------------------------------------
+
+    def _place(self) -> None:
+        waiting = sorted(
+            (
+                r
+                for r in self.state.replicas.values()
+                if not r.placed and not r.draining and r.retry_at <= self.now
+            ),
+            key=lambda r: (r.model, r.profile, r.replica_id),
+        )
+        if not waiting:
+            return
+        views = self._views()
+        for r in waiting:
+            profile = self.catalog.get(r.model, r.profile)
+            if profile is None:
+                continue
+            result = place(Demand.of(profile), views.values(), self.s.port_range)
+            if not isinstance(result, Placement):
+                r.explanation = result.explanation
+                continue
+            commit(result, views)
+            r.size = profile.nodes
+            r.rendezvous_port = result.rendezvous_port
+            r.leader_address = result.leader_address
+            r.explanation = result.reason
+            r.created_at = self.now
+            r.shards = [
+                ShardPlan(r.shard_id(s.rank), s.node_id, s.rank, s.gpu_indices, s.port, s.address)
+                for s in result.shards
+            ]
+            for plan in r.shards:
+                plan.start_session = self.nodes[plan.node_id].session_id
+                self.commands.append(self._start(r, plan))
+
+    def _views(self) -> dict[str, NodeView]:
+        views = {
+            n.node_id: NodeView(
+                n.node_id,
+                n.state.value,
+                n.gpus,
+                n.labels,
+                n.address(self.s.mgmt_interface),
+            )
+            for n in self.nodes.values()
+        }
+        for r in self.state.replicas.values():
+            for plan in r.shards:
+                view = views.get(plan.node_id)
+                if view is not None:
+                    view.used_gpus.update(plan.gpu_indices)
+                    view.used_ports.add(plan.port)
+            if r.rendezvous_port and r.shards:
+                view = views.get(r.shards[0].node_id)
+                if view is not None:
+                    view.used_ports.add(r.rendezvous_port)
+        for n in self.nodes.values():
+            view = views[n.node_id]
+            for report in n.shards.values():
+                if report.running:
+                    view.used_gpus.update(report.gpu_indices)
+                    if report.port:
+                        view.used_ports.add(report.port)
+        return views
+
+    # --- orphans ----------------------------------------------------------------------
+
+    def _stop_orphans(self) -> None:
+        planned = self._planned()
+        for node in self._ready_nodes():
+            for report in node.shards.values():
+                if report.shard_id in planned or not report.running:
+                    continue
+                if report.state == v1.ShardState.DRAINING:
+                    continue  # already on its way out
+                key = (node.node_id, report.shard_id)
+                if self.state.orphan_stops.get(key) == node.session_id:
+                    continue
+                self.state.orphan_stops[key] = node.session_id
+                self.commands.append(Stop(node.node_id, report.shard_id, self.s.stop_grace))
+
+    def _forget_old(self) -> None:
+        horizon = self.now - 24 * 3600
+        self.state.replaced = {k: t for k, t in self.state.replaced.items() if t > horizon}
+        live = {
+            (n.node_id, s.shard_id)
+            for n in self.nodes.values()
+            for s in n.shards.values()
+            if s.running
+        }
+        self.state.orphan_stops = {k: v for k, v in self.state.orphan_stops.items() if k in live}
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _planned(self) -> set[str]:
+        return {p.shard_id for r in self.state.replicas.values() for p in r.shards}
+
+    def _ready_nodes(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.state == NodeState.READY]
+
+    def _report(self, plan: ShardPlan) -> ShardReport | None:
+        node = self.nodes.get(plan.node_id)
+        return None if node is None else node.shards.get(plan.shard_id)
+
+    def _start(self, r: Replica, plan: ShardPlan) -> Start:
+        profile = self.catalog.get(r.model, r.profile)
+        assert profile is not None
+        return Start(
+            node_id=plan.node_id,
+            shard_id=plan.shard_id,
+            replica_id=r.replica_id,
+            profile=profile,
+            rank=plan.rank,
+            size=r.size,
+            gpu_indices=plan.gpu_indices,
+            port=plan.port,
+            leader_address=r.leader_address,
+        )
+
+
+# A shard that ended without being drained or stopped on purpose is a failure.
+_ENDED = frozenset({v1.ShardState.FAILED, v1.ShardState.STOPPED})
+
+
+def _matches(report: ShardReport, profile: ProfileSpec) -> bool:
+    """Adopt only what the profile would have started: same shape, a valid rank."""
+    return (
+        report.world_size == profile.nodes
+        and 0 <= report.rank < profile.nodes
+        and len(report.gpu_indices) == profile.gpus_per_node
+    )
+
+
+def _exit_text(report: ShardReport) -> str:
+    if report.signal:
+        return f"killed by signal {report.signal}"
+    if report.exit_code is not None:
+        return f"exited with code {report.exit_code}"
+    return ""
+
+
+def _url_host(url: str) -> str:
+    rest = url.split("://", 1)[-1]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")
+
+
+def endpoint_url(plan: ShardPlan) -> str:
+    return f"http://{host_for_url(plan.address)}:{plan.port}"
