@@ -229,7 +229,7 @@ def test_unplaceable_replica_carries_explanation() -> None:
     assert world.step().commands == []
     (replica,) = world.state.replicas.values()
     assert replica.explanation == (
-        "0 of 2 nodes fit: 1 has too few GPUs matching '*' (need 8, most is 4 on a), 1 is lost (b)"
+        "0 of 2 nodes fit: 1 is lost (b), 1 has too few GPUs matching '*' (need 8, most is 4 on a)"
     )
 
 
