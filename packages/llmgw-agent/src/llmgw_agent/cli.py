@@ -1,13 +1,194 @@
-"""`llmgw-agent` command line."""
+"""`llmgw-agent` command line: run, inventory, dry-run."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import betterproto2
 import click
+from llmgw_proto import v1
+from llmgw_proto.cli import fail
+from llmgw_proto.config import ConfigError
+from llmgw_proto.logs import setup_logging
 
 from llmgw_agent import __version__
+from llmgw_agent.adapters import adapter_for, build_launch
+from llmgw_agent.config import AgentConfig, load_agent_config
+from llmgw_agent.inventory import collect_inventory, open_gpus
+from llmgw_agent.validation import NodeView, real_probes, validate
+
+_ENGINE_NAMES = {"vllm": "ENGINE_KIND_VLLM", "sglang": "ENGINE_KIND_SGLANG"}
+_ENGINE_NAMES["llamacpp"] = "ENGINE_KIND_LLAMACPP"
+
+
+def _config_or_exit(path: str | None, *, insecure: bool = False) -> AgentConfig:
+    try:
+        return load_agent_config(path, insecure=insecure)
+    except ConfigError as err:
+        fail(str(err))
+
+
+def _snake(message: betterproto2.Message) -> dict[str, Any]:
+    return message.to_dict(casing=betterproto2.Casing.SNAKE, include_default_values=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmgw-agent")
 def main() -> None:
-    """llmgw-agent."""
+    """llmgw's node agent: registers this node with the control plane and runs its engines."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="agent.yaml")
+@click.option("--json", "as_json", is_flag=True, help="Print the Register message as JSON.")
+def inventory(config_path: str | None, as_json: bool) -> None:
+    """Print what this node would register: GPUs, host, interfaces, labels."""
+    # Log lines go to stderr so `--json` output stays parseable.
+    setup_logging("warning" if as_json else "info", "console", stream=sys.stderr)
+    config = _config_or_exit(config_path, insecure=True)
+    gpus = open_gpus(config)
+    try:
+        register = v1.Register(
+            node_id=config.node_name,
+            agent_version=__version__,
+            inventory=collect_inventory(config, gpus),
+            labels=dict(config.labels),
+        )
+    finally:
+        gpus.close()
+    if as_json:
+        click.echo(json.dumps(_snake(register), indent=2))
+        return
+    inv = register.inventory
+    assert inv is not None
+    assert inv.host is not None
+    click.echo(f"node        {register.node_id} (agent {register.agent_version})")
+    click.echo(
+        f"host        {inv.hostname}: {inv.host.cpu_count} CPUs, {_gib(inv.host.memory_total_bytes)}"
+    )
+    click.echo(f"os          {inv.host.os}, kernel {inv.host.kernel}")
+    driver = f"{inv.driver_version or '-'}, CUDA {inv.cuda_version or '-'}"
+    click.echo(f"driver      {driver}{' (simulated GPUs)' if inv.simulated else ''}")
+    if not inv.gpus:
+        click.echo("gpus        none")
+    for gpu in inv.gpus:
+        peers = f" nvlink→{','.join(gpu.nvlink_peers)}" if gpu.nvlink_peers else ""
+        click.echo(
+            f"gpu {gpu.index:<7} {gpu.name} {_gib(gpu.memory_total_bytes)} {gpu.uuid} "
+            f"{gpu.pci_bus_id}{peers}"
+        )
+    for iface in inv.interfaces:
+        click.echo(f"interface   {iface.name}: {' '.join(iface.addresses) or '-'}")
+    for key, value in sorted(register.labels.items()):
+        click.echo(f"label       {key}={value}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def read_start(path: str) -> v1.StartShard:
+    """A StartShard from JSON (proto JSON names, snake_case or camelCase); exits 2 if bad."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        fail(f"{path}: cannot read: {err.strerror or err}")
+    except json.JSONDecodeError as err:
+        fail(f"{path}: invalid JSON: line {err.lineno}, column {err.colno}: {err.msg}")
+    if not isinstance(data, dict):
+        fail(f"{path}: expected a JSON object with StartShard fields")
+    engine = data.get("engine")
+    if isinstance(engine, str) and engine.lower() in _ENGINE_NAMES:
+        data["engine"] = _ENGINE_NAMES[engine.lower()]
+    try:
+        return v1.StartShard.from_dict(data)
+    except (KeyError, ValueError, TypeError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        fail(f"{path}: {message}")
+
+
+@main.command("dry-run")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="agent.yaml")
+@click.option(
+    "--start",
+    "start_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="A StartShard as JSON.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print argv, env and problems as JSON.")
+def dry_run(config_path: str | None, start_path: str, as_json: bool) -> None:
+    """Print the exact argv and environment a StartShard would launch, and its validation.
+
+    Exits 0 when the shard would be launched, 1 when validation refuses it.
+    """
+    setup_logging("warning", "console", stream=sys.stderr)
+    config = _config_or_exit(config_path, insecure=True)
+    start = read_start(start_path)
+    gpus = open_gpus(config)
+    gpus.close()
+    # Shards already running on this node hold their GPUs and ports.
+    from llmgw_agent.supervisor import live_records
+
+    records = live_records(Path(config.state_dir).expanduser())
+    node = NodeView(
+        gpus={g.index: gpus.simulated for g in gpus.gpus},
+        simulated=gpus.simulated,
+        gpus_in_use={i: r.shard_id for r in records for i in r.gpu_indices},
+        ports_in_use={r.port: r.shard_id for r in records},
+    )
+    adapter = adapter_for(start.engine)
+    command = _engine_command(config, adapter.name) if adapter else []
+    problems = validate(start, adapter, command, node, real_probes(), bind_host=config.engine_host)
+    launch = None
+    if adapter is not None:
+        try:
+            launch = build_launch(
+                adapter,
+                start,
+                command,
+                bind_host=config.engine_host,
+                endpoint_host=config.endpoint_host(),
+            )
+        except ValueError as err:  # e.g. a leader address validation already named
+            problems.append(str(err))
+    if as_json:
+        out: dict[str, Any] = {"ok": not problems, "problems": problems}
+        if launch is not None:
+            out.update(
+                argv=launch.argv,
+                env=launch.env,
+                health_url=launch.health_url,
+                metrics_url=launch.metrics_url,
+                endpoint_url=launch.endpoint_url,
+                headless=launch.headless,
+            )
+        click.echo(json.dumps(out, indent=2))
+    else:
+        if launch is not None:
+            click.echo("argv: " + " ".join(_quote(a) for a in launch.argv))
+            click.echo("env:")
+            for key, value in sorted(launch.env.items()):
+                click.echo(f"  {key}={value}")
+            click.echo(f"health: {launch.health_url}")
+            click.echo(f"endpoint: {launch.endpoint_url or '(headless: no HTTP)'}")
+        if problems:
+            click.echo("validation: FAILED")
+            for problem in problems:
+                click.echo(f"  - {problem}")
+        else:
+            click.echo("validation: ok")
+    sys.exit(1 if problems else 0)
+
+
+def _engine_command(config: AgentConfig, name: str) -> list[str]:
+    return list(getattr(config.engines, name).command)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

@@ -1,0 +1,515 @@
+"""Engine adapters: a StartShard becomes an engine's real command line and environment.
+
+One adapter per engine kind. Each knows the engine's flags (to refuse a bad
+profile in seconds rather than after minutes of loading), how it spells host,
+port, parallelism and served model names, its health path and readiness rule,
+and which metric counts running requests (for drain).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw_proto import v1
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "Launch",
+    "ParsedArgs",
+    "adapter_for",
+    "build_launch",
+    "format_host",
+    "parse_engine_args",
+    "split_host_port",
+]
+
+# Arity of a flag: 0 is a switch, 1 takes one value, MANY takes one or more.
+MANY = -1
+
+
+@dataclass(frozen=True)
+class ParsedArgs:
+    """engine_args as the engine would read them, by canonical flag name."""
+
+    values: dict[str, list[str]]
+    errors: list[str]
+
+    def has(self, *flags: str) -> bool:
+        return any(f in self.values for f in flags)
+
+    def first(self, *flags: str) -> str | None:
+        for f in flags:
+            if self.values.get(f):
+                return self.values[f][0]
+        return None
+
+
+def parse_engine_args(
+    args: Sequence[str],
+    flags: Mapping[str, int],
+    aliases: Mapping[str, str],
+    *,
+    negatable: bool = False,
+    underscores: bool = False,
+) -> ParsedArgs:
+    """Read ``args`` against a flag table; each problem names the argument."""
+    values: dict[str, list[str]] = {}
+    errors: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not token.startswith("-") or token in ("-", "--"):
+            errors.append(f"unexpected positional argument {token!r}")
+            continue
+        name, eq, inline = token.partition("=")
+        if underscores and name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        name = aliases.get(name, name)
+        arity = flags.get(name)
+        if arity is None and negatable and name.startswith("--no-"):
+            positive = aliases.get("--" + name[5:], "--" + name[5:])
+            if flags.get(positive) == 0:
+                name, arity = positive, 0
+                inline, eq = "false", "="
+        if arity is None:
+            errors.append(f"unknown engine argument {token.partition('=')[0]!r}")
+            continue
+        if arity == 0:
+            values[name] = [inline] if eq else []
+            continue
+        if eq:
+            values[name] = [inline]
+            continue
+        taken: list[str] = []
+        while i < len(args) and not _looks_like_flag(args[i], flags, aliases):
+            taken.append(args[i])
+            i += 1
+            if arity == 1:
+                break
+        if not taken:
+            errors.append(f"engine argument {name!r} needs a value")
+            continue
+        values[name] = taken
+    return ParsedArgs(values, errors)
+
+
+def _looks_like_flag(token: str, flags: Mapping[str, int], aliases: Mapping[str, str]) -> bool:
+    # Negative numbers ("--seed -1") are values, not flags.
+    if re.fullmatch(r"-\d+(\.\d+)?", token):
+        return False
+    name = token.partition("=")[0]
+    return token.startswith("--") or name in flags or name in aliases
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; raises ValueError naming the problem."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything needed to start one engine process and watch it."""
+
+    argv: list[str]
+    # Variables set on top of the agent's own environment.
+    env: dict[str, str]
+    health_url: str
+    metrics_url: str
+    # Empty for headless ranks, which serve no HTTP.
+    endpoint_url: str
+    headless: bool
+
+
+@dataclass(frozen=True)
+class Adapter:
+    kind: v1.EngineKind
+    name: str
+    flags: Mapping[str, int]
+    aliases: Mapping[str, str]
+    # Flags the agent sets from the StartShard itself; a profile may not.
+    reserved: frozenset[str]
+    tp_flag: str
+    pp_flag: str
+    health_path: str
+    metrics_path: str
+    running_metric: str
+    needs_gpus: bool
+    multi_node: bool
+    negatable: bool = False
+    underscores: bool = False
+    max_served_names: int = 0  # 0: any number
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def parse(self, args: Sequence[str]) -> ParsedArgs:
+        return parse_engine_args(
+            args, self.flags, self.aliases, negatable=self.negatable, underscores=self.underscores
+        )
+
+    def parallel_sizes(self, start: v1.StartShard, parsed: ParsedArgs) -> tuple[int, int]:
+        """(tensor, pipeline) parallel sizes the engine will run with."""
+        nodes = _nodes(start)
+        gpus = len(start.gpu_indices)
+        tp_raw, pp_raw = parsed.first(self.tp_flag), parsed.first(self.pp_flag)
+        if tp_raw is None and pp_raw is None:
+            return self._default_parallel(gpus, nodes)
+        # One given: the engine's default (1) for a missing PP; a missing TP fills the GPUs.
+        pp = _int_or(pp_raw, 1)
+        total = gpus * nodes
+        return _int_or(tp_raw, total // pp if pp > 0 and total % pp == 0 else gpus), pp
+
+    def _default_parallel(self, gpus: int, nodes: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def is_headless(self, start: v1.StartShard) -> bool:
+        return _nodes(start) > 1 and _rank(start) > 0
+
+    def arguments(self, start: v1.StartShard, host: str, parsed: ParsedArgs) -> list[str]:
+        raise NotImplementedError
+
+
+def _nodes(start: v1.StartShard) -> int:
+    return max(1, start.multi_node.size) if start.multi_node else 1
+
+
+def _rank(start: v1.StartShard) -> int:
+    return start.multi_node.rank if start.multi_node else 0
+
+
+def _int_or(value: str | None, default: int) -> int:
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        return -1  # validation names the bad value
+
+
+def served_names(start: v1.StartShard) -> list[str]:
+    return list(start.served_model_names) or [start.model or start.model_ref]
+
+
+class VllmAdapter(Adapter):
+    def _default_parallel(self, gpus: int, nodes: int) -> tuple[int, int]:
+        # Tensor parallel inside a node, pipeline parallel across nodes (vLLM's advice).
+        return gpus, nodes
+
+    def arguments(self, start: v1.StartShard, host: str, parsed: ParsedArgs) -> list[str]:
+        argv = ["serve", start.model_ref, "--host", host, "--port", str(start.port)]
+        tp, pp = self.parallel_sizes(start, parsed)
+        if not parsed.has(self.tp_flag):
+            argv += ["--tensor-parallel-size", str(tp)]
+        if not parsed.has(self.pp_flag) and pp > 1:
+            argv += ["--pipeline-parallel-size", str(pp)]
+        argv += ["--served-model-name", *served_names(start)]
+        nodes = _nodes(start)
+        if nodes > 1:
+            leader, port = split_host_port(start.multi_node.leader_address)  # type: ignore[union-attr]
+            argv += ["--nnodes", str(nodes), "--node-rank", str(_rank(start))]
+            argv += ["--master-addr", leader, "--master-port", str(port)]
+            if not parsed.has("--distributed-executor-backend"):
+                argv += ["--distributed-executor-backend", "mp"]
+            if self.is_headless(start):
+                argv.append("--headless")
+        return argv + list(start.engine_args)
+
+
+class SglangAdapter(Adapter):
+    def _default_parallel(self, gpus: int, nodes: int) -> tuple[int, int]:
+        # SGLang's --tp-size counts the GPUs of all nodes together.
+        return gpus * nodes, 1
+
+    def arguments(self, start: v1.StartShard, host: str, parsed: ParsedArgs) -> list[str]:
+        argv = ["--model-path", start.model_ref, "--host", host, "--port", str(start.port)]
+        tp, _ = self.parallel_sizes(start, parsed)
+        if not parsed.has(self.tp_flag):
+            argv += ["--tp-size", str(tp)]
+        argv += ["--served-model-name", served_names(start)[0]]
+        if not parsed.has("--enable-metrics"):
+            argv.append("--enable-metrics")  # drain reads sglang:num_running_reqs
+        nodes = _nodes(start)
+        if nodes > 1:
+            argv += ["--nnodes", str(nodes), "--node-rank", str(_rank(start))]
+            argv += ["--dist-init-addr", start.multi_node.leader_address]  # type: ignore[union-attr]
+        return argv + list(start.engine_args)
+
+
+class LlamaCppAdapter(Adapter):
+    def _default_parallel(self, gpus: int, nodes: int) -> tuple[int, int]:
+        return 1, 1
+
+    def parallel_sizes(self, start: v1.StartShard, parsed: ParsedArgs) -> tuple[int, int]:
+        # llama.cpp splits layers over whatever GPUs it sees; there is no TP/PP size to match.
+        return max(1, len(start.gpu_indices)), 1
+
+    def arguments(self, start: v1.StartShard, host: str, parsed: ParsedArgs) -> list[str]:
+        argv = ["-m", start.model_ref, "--host", host, "--port", str(start.port)]
+        argv += ["--alias", served_names(start)[0]]
+        if start.cpu_threads and not parsed.has("--threads"):
+            argv += ["--threads", str(start.cpu_threads)]
+        if start.gpu_indices and not parsed.has("--n-gpu-layers"):
+            argv += ["--n-gpu-layers", "999"]  # offload every layer to the GPUs given
+        if not parsed.has("--metrics"):
+            argv.append("--metrics")  # drain reads llamacpp:requests_processing
+        return argv + list(start.engine_args)
+
+
+def _table(value_flags: str, switch_flags: str, many_flags: str = "") -> dict[str, int]:
+    table = dict.fromkeys(value_flags.split(), 1)
+    table.update(dict.fromkeys(switch_flags.split(), 0))
+    table.update(dict.fromkeys(many_flags.split(), MANY))
+    return table
+
+
+_VLLM_FLAGS = _table(
+    value_flags="""
+    --host --port --uds --model --tokenizer --tokenizer-mode --revision --code-revision
+    --tokenizer-revision --download-dir --load-format --config-format --dtype --kv-cache-dtype
+    --max-model-len --seed --distributed-executor-backend --pipeline-parallel-size
+    --tensor-parallel-size --data-parallel-size --data-parallel-size-local --data-parallel-rank
+    --data-parallel-start-rank --data-parallel-address --data-parallel-rpc-port
+    --data-parallel-backend --max-parallel-loading-workers --block-size --prefix-caching-hash-algo
+    --swap-space --cpu-offload-gb --gpu-memory-utilization --kv-cache-memory-bytes
+    --num-gpu-blocks-override --max-num-batched-tokens --max-num-partial-prefills
+    --max-long-partial-prefills --long-prefill-token-threshold --max-num-seqs --max-logprobs
+    --quantization --rope-scaling --rope-theta --hf-overrides --hf-config-path
+    --max-seq-len-to-capture --limit-mm-per-prompt --mm-processor-kwargs --max-loras
+    --max-lora-rank --lora-extra-vocab-size --lora-dtype --max-cpu-loras --speculative-config
+    --otlp-traces-endpoint --collect-detailed-traces --scheduling-policy --compilation-config
+    --kv-transfer-config --kv-events-config --worker-cls --worker-extension-cls
+    --generation-config --override-generation-config --reasoning-parser --tool-call-parser
+    --tool-parser-plugin --chat-template --chat-template-content-format --response-role
+    --ssl-keyfile --ssl-certfile --ssl-ca-certs --ssl-cert-reqs --root-path --max-log-len
+    --api-server-count --config --task --runner --convert --logits-processor-pattern
+    --model-impl --pooler-config --override-pooler-config --logprobs-mode --cuda-graph-sizes
+    --mm-encoder-tp-mode --guided-decoding-backend --structured-outputs-config
+    --uvicorn-log-level --preemption-mode --show-hidden-metrics-for-version --served-model-name
+    --nnodes --node-rank --master-addr --master-port --expert-placement-strategy
+    --eplb-config
+    --allowed-local-media-path --tokenizer-pool-size --h11-max-incomplete-event-size
+    --h11-max-header-count --mm-processor-cache-gb --async-scheduling-mode
+    """,
+    switch_flags="""
+    --headless --trust-remote-code --disable-sliding-window --enable-prefix-caching
+    --enable-chunked-prefill --disable-log-stats --enforce-eager --disable-custom-all-reduce
+    --enable-lora --fully-sharded-loras --enable-sleep-mode --calculate-kv-scales
+    --enable-reasoning --enable-auto-tool-choice --allow-credentials
+    --disable-uvicorn-access-log --disable-frontend-multiprocessing --enable-request-id-headers
+    --enable-prompt-tokens-details --enable-server-load-tracking --disable-fastapi-docs
+    --return-tokens-as-token-ids --disable-log-requests --enable-log-requests
+    --enable-force-include-usage --enable-expert-parallel --enable-eplb
+    --data-parallel-hybrid-lb --data-parallel-external-lb --async-scheduling --enable-dbo
+    --disable-async-output-proc --ray-workers-use-nsight --skip-tokenizer-init
+    --enable-prompt-embeds --disable-cascade-attn --enable-tokenizer-info-endpoint --enable-log-outputs
+    """,
+    many_flags="""
+    --lora-modules --allowed-origins --allowed-methods --allowed-headers --middleware --api-key
+    """,
+)
+
+_SGLANG_FLAGS = _table(
+    value_flags="""
+    --model-path --tokenizer-path --host --port --tp-size --pp-size --dp-size --ep-size
+    --served-model-name --nnodes --node-rank --dist-init-addr --mem-fraction-static
+    --max-running-requests --max-total-tokens --context-length --chunked-prefill-size
+    --max-prefill-tokens --schedule-policy --schedule-conservativeness --dtype --kv-cache-dtype
+    --quantization --tokenizer-mode --load-format --revision --chat-template --random-seed
+    --log-level --log-level-http --cuda-graph-max-bs --torch-compile-max-bs --attention-backend
+    --sampling-backend --grammar-backend --speculative-algorithm --speculative-draft-model-path
+    --speculative-num-steps --speculative-eagle-topk --speculative-num-draft-tokens
+    --stream-interval --api-key --file-storage-path --watchdog-timeout --download-dir
+    --base-gpu-id --gpu-id-step --reasoning-parser --tool-call-parser --max-loras-per-batch
+    --device --json-model-override-args --decode-log-interval --dist-timeout
+    --moe-a2a-backend --moe-runner-backend --prefill-attention-backend --decode-attention-backend
+    --kv-cache-memory --page-size --hicache-ratio --hicache-size --max-queued-requests
+    --tokenizer-worker-num --bucket-time-to-first-token --collect-tokens-histogram
+    """,
+    switch_flags="""
+    --enable-metrics --trust-remote-code --skip-tokenizer-init --log-requests --show-time-cost
+    --disable-radix-cache --disable-cuda-graph --enable-torch-compile --enable-dp-attention
+    --enable-ep-moe --is-embedding --enable-mixed-chunk --triton-attention-reduce-in-fp32
+    --disable-overlap-schedule --enable-p2p-check --enable-cache-report --allow-auto-truncate
+    --enable-hierarchical-cache --disable-custom-all-reduce --enable-dp-lm-head
+    --enable-two-batch-overlap --enable-deterministic-inference
+    """,
+    many_flags="--lora-paths",
+)
+
+_LLAMACPP_FLAGS = _table(
+    value_flags="""
+    --model --host --port --alias --threads --threads-batch --ctx-size --n-predict --batch-size
+    --ubatch-size --n-gpu-layers --split-mode --tensor-split --main-gpu --parallel --numa
+    --cache-type-k --cache-type-v --rope-scaling --rope-freq-base --rope-freq-scale
+    --chat-template --chat-template-file --reasoning-format --reasoning-budget --seed --temp
+    --top-k --top-p --min-p --repeat-penalty --api-key --timeout --threads-http --cache-reuse
+    --verbosity --lora --mmproj --device --flash-attn --override-kv --keep --defrag-thold
+    --slot-save-path --model-draft --draft-max --draft-min --n-gpu-layers-draft --pooling
+    --grp-attn-n --grp-attn-w --ctx-checkpoints --cache-ram
+    """,
+    switch_flags="""
+    --cont-batching --no-cont-batching --mlock --no-mmap --metrics --slots --props --embedding
+    --reranking --jinja --log-disable --no-warmup --kv-unified --swa-full --no-webui
+    --check-tensors --verbose --log-timestamps --log-prefix --context-shift --no-context-shift
+    """,
+)
+
+_LLAMACPP_ALIASES = {
+    "-m": "--model",
+    "-a": "--alias",
+    "-t": "--threads",
+    "-tb": "--threads-batch",
+    "-c": "--ctx-size",
+    "-n": "--n-predict",
+    "-b": "--batch-size",
+    "-ub": "--ubatch-size",
+    "-ngl": "--n-gpu-layers",
+    "--gpu-layers": "--n-gpu-layers",
+    "-sm": "--split-mode",
+    "-ts": "--tensor-split",
+    "-mg": "--main-gpu",
+    "-np": "--parallel",
+    "-cb": "--cont-batching",
+    "-nocb": "--no-cont-batching",
+    "-fa": "--flash-attn",
+    "-ctk": "--cache-type-k",
+    "-ctv": "--cache-type-v",
+    "-s": "--seed",
+    "-to": "--timeout",
+    "-lv": "--verbosity",
+    "-v": "--verbose",
+    "-dev": "--device",
+    "--embeddings": "--embedding",
+    "--rerank": "--reranking",
+    "-md": "--model-draft",
+    "-ngld": "--n-gpu-layers-draft",
+}
+
+VLLM = VllmAdapter(
+    kind=v1.EngineKind.VLLM,
+    name="vllm",
+    flags=_VLLM_FLAGS,
+    aliases={
+        "-tp": "--tensor-parallel-size",
+        "-pp": "--pipeline-parallel-size",
+        "-dp": "--data-parallel-size",
+        "-q": "--quantization",
+        "-O": "--compilation-config",
+        "-n": "--nnodes",
+        "-r": "--node-rank",
+    },
+    reserved=frozenset(
+        {
+            "--host",
+            "--port",
+            "--uds",
+            "--model",
+            "--served-model-name",
+            "--nnodes",
+            "--node-rank",
+            "--master-addr",
+            "--master-port",
+            "--headless",
+        }
+    ),
+    tp_flag="--tensor-parallel-size",
+    pp_flag="--pipeline-parallel-size",
+    health_path="/health",
+    metrics_path="/metrics",
+    running_metric="vllm:num_requests_running",
+    needs_gpus=True,
+    multi_node=True,
+    negatable=True,
+    underscores=True,
+)
+
+SGLANG = SglangAdapter(
+    kind=v1.EngineKind.SGLANG,
+    name="sglang",
+    flags=_SGLANG_FLAGS,
+    aliases={
+        "--tensor-parallel-size": "--tp-size",
+        "--tp": "--tp-size",
+        "--pipeline-parallel-size": "--pp-size",
+        "--data-parallel-size": "--dp-size",
+        "--dp": "--dp-size",
+        "--model": "--model-path",
+        "--tokenizer": "--tokenizer-path",
+        "--expert-parallel-size": "--ep-size",
+        "--ep": "--ep-size",
+        "--nccl-init-addr": "--dist-init-addr",
+    },
+    reserved=frozenset(
+        {"--model-path", "--host", "--port", "--served-model-name", "--nnodes", "--node-rank"}
+        | {"--dist-init-addr"}
+    ),
+    tp_flag="--tp-size",
+    pp_flag="--pp-size",
+    health_path="/health",
+    metrics_path="/metrics",
+    running_metric="sglang:num_running_reqs",
+    needs_gpus=True,
+    multi_node=True,
+    max_served_names=1,
+)
+
+LLAMACPP = LlamaCppAdapter(
+    kind=v1.EngineKind.LLAMACPP,
+    name="llamacpp",
+    flags=_LLAMACPP_FLAGS,
+    aliases=_LLAMACPP_ALIASES,
+    reserved=frozenset({"--model", "--host", "--port", "--alias"}),
+    tp_flag="",
+    pp_flag="",
+    health_path="/health",
+    metrics_path="/metrics",
+    running_metric="llamacpp:requests_processing",
+    needs_gpus=False,
+    multi_node=False,
+    max_served_names=1,
+)
+
+ADAPTERS: dict[v1.EngineKind, Adapter] = {a.kind: a for a in (VLLM, SGLANG, LLAMACPP)}
+
+
+def adapter_for(kind: v1.EngineKind) -> Adapter | None:
+    return ADAPTERS.get(kind)
+
+
+def build_launch(
+    adapter: Adapter,
+    start: v1.StartShard,
+    command: Sequence[str],
+    *,
+    bind_host: str,
+    endpoint_host: str,
+) -> Launch:
+    """The argv and environment for ``start``; call only after validation passed."""
+    parsed = adapter.parse(start.engine_args)
+    argv = [*command, *adapter.arguments(start, bind_host, parsed)]
+    env = dict(start.env)
+    # NVML numbers GPUs in PCI bus order; CUDA must too, or the indices mean other GPUs.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    # Empty hides every GPU: a CPU-only shard must not grab one by accident.
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in start.gpu_indices)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    poll_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind_host, bind_host)
+    local = f"http://{format_host(poll_host)}:{start.port}"
+    headless = adapter.is_headless(start)
+    return Launch(
+        argv=argv,
+        env=env,
+        health_url=local + adapter.health_path,
+        metrics_url=local + adapter.metrics_path,
+        endpoint_url="" if headless else f"http://{format_host(endpoint_host)}:{start.port}",
+        headless=headless,
+    )

@@ -1,0 +1,199 @@
+"""agent.yaml: what one GPU node's agent is told.
+
+Everything has a default except what only the operator can know (labels, the
+control plane's address in production). Problems are reported by
+:func:`llmgw_proto.config.load` as ``agent.yaml: $.field: message``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from llmgw_proto.config import BaseConfig, ConfigError, Duration, convert, read
+
+__all__ = [
+    "AgentConfig",
+    "ControlConfig",
+    "EngineCommand",
+    "EnginesConfig",
+    "SimulatedGpus",
+    "TlsConfig",
+    "load_agent_config",
+    "parse_size",
+]
+
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+Command = Annotated[list[NonEmptyStr], msgspec.Meta(min_length=1)]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``80GiB``, ``141GB``, ``512MiB`` or a plain number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like `80GiB`, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("expected a size >= 0")
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"expected a size like `80GiB` or `141GB`, got {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+
+
+class TlsConfig(BaseConfig):
+    # Plaintext must be asked for (here or with --insecure); otherwise all three files are needed.
+    insecure: bool = False
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+
+class ControlConfig(BaseConfig):
+    address: NonEmptyStr = "127.0.0.1:7070"
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    # How long to wait for RegisterAck before giving up on a connection attempt.
+    register_timeout: Duration = Duration(30.0)
+
+
+class SimulatedGpus(BaseConfig):
+    count: Annotated[int, msgspec.Meta(ge=0, le=64)]
+    name: NonEmptyStr = "NVIDIA H100 80GB HBM3"
+    memory: str | int = "80GiB"
+
+
+class EngineCommand(BaseConfig):
+    # The executable and any leading words; the adapter appends its own arguments.
+    command: Command
+
+
+class EnginesConfig(BaseConfig):
+    vllm: EngineCommand = msgspec.field(default_factory=lambda: EngineCommand(command=["vllm"]))
+    sglang: EngineCommand = msgspec.field(
+        default_factory=lambda: EngineCommand(command=["python", "-m", "sglang.launch_server"])
+    )
+    llamacpp: EngineCommand = msgspec.field(
+        default_factory=lambda: EngineCommand(command=["llama-server"])
+    )
+
+
+def _default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(base) / "llmgw-agent")
+
+
+class AgentConfig(BaseConfig):
+    # Empty means the hostname.
+    node_id: str = ""
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    simulate_gpus: SimulatedGpus | None = None
+    # The address engines bind. The default serves routers on other machines.
+    engine_host: NonEmptyStr = "0.0.0.0"
+    # The host put into endpoint URLs. Empty: engine_host, or the hostname when
+    # engine_host is a wildcard (0.0.0.0 / ::), which no client can dial.
+    advertise_host: str = ""
+    engines: EnginesConfig = msgspec.field(default_factory=EnginesConfig)
+    # Where running shards are recorded so a restarted agent re-adopts them.
+    state_dir: str = msgspec.field(default_factory=_default_state_dir)
+    stop_grace: Duration = Duration(30.0)
+    # Used when a StartShard carries no load_timeout of its own.
+    load_timeout: Duration = Duration(1200.0)
+    health_interval: Duration = Duration(1.0)
+    drain_poll_interval: Duration = Duration(1.0)
+    output_tail_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 40
+    output_buffer_lines: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 2000
+    # An engine's output file is truncated past this size (its tail stays in memory).
+    output_file_max_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * 1024 * 1024
+    base_backoff: Duration = Duration(0.5)
+    max_backoff: Duration = Duration(30.0)
+    # A stream that stayed up this long resets the backoff.
+    stable_after: Duration = Duration(10.0)
+    # Default false: an agent upgrade must not take engines down.
+    stop_engines_on_exit: bool = False
+
+    @property
+    def node_name(self) -> str:
+        return self.node_id or socket.gethostname()
+
+    @property
+    def simulated_memory_bytes(self) -> int:
+        return parse_size(self.simulate_gpus.memory) if self.simulate_gpus else 0
+
+    def endpoint_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.engine_host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return self.engine_host
+
+
+def _check(config: AgentConfig, source: str) -> AgentConfig:
+    """Cross-field rules msgspec cannot express."""
+    if config.max_backoff < config.base_backoff or config.base_backoff <= 0:
+        raise ConfigError(source, "must be >= base_backoff and base_backoff > 0", "$.max_backoff")
+    if config.simulate_gpus is not None:
+        try:
+            parse_size(config.simulate_gpus.memory)
+        except ValueError as err:
+            raise ConfigError(source, str(err), "$.simulate_gpus.memory") from None
+    host, sep, port = config.control.address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(source, "expected HOST:PORT", "$.control.address")
+    tls = config.control.tls
+    if not tls.insecure:
+        for name in ("cert", "key", "ca"):
+            if not getattr(tls, name):
+                raise ConfigError(
+                    source,
+                    "required unless tls.insecure is true (or --insecure is given)",
+                    f"$.control.tls.{name}",
+                )
+    for key in config.labels:
+        if not key:
+            raise ConfigError(source, "label names must not be empty", "$.labels")
+    return config
+
+
+def load_agent_config(path: str | Path | None, *, insecure: bool = False) -> AgentConfig:
+    """Load agent.yaml (or defaults when ``path`` is None); ``insecure`` is the CLI flag."""
+    if path is None:
+        data: object = {}
+        source = "<defaults>"
+    else:
+        data = read(Path(path))
+        source = str(path)
+    if insecure and isinstance(data, dict):
+        # Wrong types are left alone so the normal error names them.
+        control = data.get("control") or {}
+        tls = control.get("tls") or {} if isinstance(control, dict) else None
+        if isinstance(control, dict) and isinstance(tls, dict):
+            data = {**data, "control": {**control, "tls": {**tls, "insecure": True}}}
+    config = convert(data, AgentConfig, source=source)
+    return _check(config, source)

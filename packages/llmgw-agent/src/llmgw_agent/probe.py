@@ -1,0 +1,97 @@
+"""A tiny HTTP GET for engine health checks and metrics, on asyncio streams.
+
+The agent wheel stays free of HTTP client libraries: a GPU node installs as
+little as possible. The request is HTTP/1.0 so no server answers with chunked
+encoding; a chunked reply is decoded anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from urllib.parse import urlsplit
+
+__all__ = ["http_get", "metric_value"]
+
+_MAX_BODY = 16 * 1024 * 1024
+
+
+async def http_get(url: str, *, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body) of GET ``url``; raises OSError or TimeoutError when it cannot."""
+    async with asyncio.timeout(timeout):
+        return await _get(url)
+
+
+async def _get(url: str) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or 80
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        host_header = f"[{host}]" if ":" in host else host
+        writer.write(
+            f"GET {path} HTTP/1.0\r\nHost: {host_header}:{port}\r\n"
+            "User-Agent: llmgw-agent\r\nAccept: */*\r\n\r\n".encode()
+        )
+        await writer.drain()
+        raw = await reader.read(_MAX_BODY)
+        while len(raw) < _MAX_BODY:
+            more = await reader.read(_MAX_BODY - len(raw))
+            if not more:
+                break
+            raw += more
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, asyncio.CancelledError):
+            await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    match = re.match(rb"HTTP/\d(?:\.\d)? (\d{3})", lines[0] if lines else b"")
+    if not match:
+        raise OSError(f"not an HTTP response from {url}")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])}
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        body = _dechunk(body)
+    return int(match.group(1)), body
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = bytearray()
+    while data:
+        size_line, _, rest = data.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            break
+        if size == 0:
+            break
+        out += rest[:size]
+        data = rest[size + 2 :]
+    return bytes(out)
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The sum of every sample of ``name`` in Prometheus text format; None if absent."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name) :]
+        if rest[:1] not in ("{", " ", "\t"):
+            continue  # another metric whose name starts the same
+        if rest.startswith("{"):
+            rest = rest[rest.find("}") + 1 :] if "}" in rest else ""
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            total += float(fields[0])
+        except ValueError:
+            continue
+        found = True
+    return total if found else None

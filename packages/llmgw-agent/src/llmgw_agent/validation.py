@@ -1,0 +1,197 @@
+"""Checks a StartShard must pass before anything is launched.
+
+An engine refuses a bad profile only after minutes of loading; these checks
+refuse it in milliseconds, each with a reason that names the problem. The rules
+are pure: what they need from the machine (PATH, a port, a file) comes through
+:class:`Probes`, so tests drive every rule with plain values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw_proto import v1
+
+from llmgw_agent.adapters import Adapter, split_host_port
+
+__all__ = ["NodeView", "Probes", "looks_like_path", "real_probes", "validate"]
+
+# The agent owns these: CUDA_VISIBLE_DEVICES comes from gpu_indices.
+_RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What validation needs to know of the node and the shards already on it."""
+
+    # GPU index -> whether that GPU is simulated.
+    gpus: Mapping[int, bool]
+    simulated: bool
+    gpus_in_use: Mapping[int, str] = field(default_factory=dict)
+    ports_in_use: Mapping[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Probes:
+    which: Callable[[str], str | None]
+    port_free: Callable[[str, int], bool]
+    path_exists: Callable[[str], bool]
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Same option the engines' servers use, so a port in TIME_WAIT counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _which(name: str) -> str | None:
+    if os.sep in name:
+        return name if os.access(name, os.X_OK) and os.path.isfile(name) else None
+    return shutil.which(name)
+
+
+def real_probes() -> Probes:
+    return Probes(
+        which=_which,
+        port_free=_port_free,
+        path_exists=lambda p: os.path.exists(os.path.expanduser(p)),
+    )
+
+
+def looks_like_path(model_ref: str) -> bool:
+    """A local path rather than a hub name like ``Qwen/Qwen2.5-7B-Instruct``."""
+    return model_ref.startswith(("/", "./", "../", "~")) or model_ref.endswith(".gguf")
+
+
+def validate(
+    start: v1.StartShard,
+    adapter: Adapter | None,
+    command: Sequence[str],
+    node: NodeView,
+    probes: Probes,
+    *,
+    bind_host: str,
+) -> list[str]:
+    """Every problem with ``start``; empty means it may be launched."""
+    problems: list[str] = []
+    if not start.shard_id:
+        problems.append("shard_id is empty")
+    if adapter is None:
+        return [*problems, f"unknown engine kind {start.engine!r}"]
+    engine = adapter.name
+    if not command or probes.which(command[0]) is None:
+        exe = command[0] if command else ""
+        problems.append(
+            f"engine executable {exe!r} not found on PATH (engines.{engine}.command in agent.yaml)"
+        )
+    if not start.model_ref:
+        problems.append("model_ref is empty")
+    elif looks_like_path(start.model_ref) and not probes.path_exists(start.model_ref):
+        problems.append(f"model path {start.model_ref!r} does not exist on this node")
+    if adapter.max_served_names and len(start.served_model_names) > adapter.max_served_names:
+        problems.append(
+            f"{engine} serves one model name, got {len(start.served_model_names)}: "
+            f"{list(start.served_model_names)}"
+        )
+    problems += _check_port(start, node, probes, bind_host)
+    problems += _check_gpus(start, adapter, node)
+    problems += _check_multi_node(start, adapter)
+    problems += _check_args(start, adapter)
+    for name in _RESERVED_ENV:
+        if name in start.env:
+            problems.append(f"env sets {name}, which the agent sets from gpu_indices")
+    return problems
+
+
+def _check_port(start: v1.StartShard, node: NodeView, probes: Probes, host: str) -> list[str]:
+    if not 0 < start.port < 65536:
+        return [f"port {start.port} is not a valid TCP port"]
+    owner = node.ports_in_use.get(start.port)
+    if owner is not None and owner != start.shard_id:
+        return [f"port {start.port} is used by shard {owner}"]
+    if not probes.port_free(host, start.port):
+        return [f"port {start.port} is not free on {host}"]
+    return []
+
+
+def _check_gpus(start: v1.StartShard, adapter: Adapter, node: NodeView) -> list[str]:
+    problems: list[str] = []
+    indices = list(start.gpu_indices)
+    if adapter.needs_gpus and not indices:
+        problems.append(f"{adapter.name} needs at least one GPU, gpu_indices is empty")
+    seen: set[int] = set()
+    for index in indices:
+        if index in seen:
+            problems.append(f"GPU {index} is listed twice in gpu_indices")
+            continue
+        seen.add(index)
+        if index not in node.gpus:
+            have = sorted(node.gpus)
+            problems.append(f"GPU {index} does not exist on this node (GPUs: {have or 'none'})")
+        elif node.gpus[index] and not node.simulated:
+            problems.append(f"GPU {index} is simulated and this node is not")
+        owner = node.gpus_in_use.get(index)
+        if owner is not None and owner != start.shard_id:
+            problems.append(f"GPU {index} is used by shard {owner}")
+    return problems
+
+
+def _check_multi_node(start: v1.StartShard, adapter: Adapter) -> list[str]:
+    multi = start.multi_node
+    if multi is None or multi.size <= 1:
+        return []
+    if not adapter.multi_node:
+        return [f"{adapter.name} does not run across nodes (multi_node.size {multi.size})"]
+    problems: list[str] = []
+    if multi.rank >= multi.size:
+        problems.append(f"multi_node.rank {multi.rank} is not below multi_node.size {multi.size}")
+    try:
+        split_host_port(multi.leader_address)
+    except ValueError as err:
+        problems.append(f"multi_node.leader_address: {err}")
+    return problems
+
+
+def _check_args(start: v1.StartShard, adapter: Adapter) -> list[str]:
+    parsed = adapter.parse(start.engine_args)
+    problems = [f"engine_args: {e} for {adapter.name}" for e in parsed.errors]
+    for flag in sorted(adapter.reserved & parsed.values.keys()):
+        problems.append(f"engine_args: {flag} is set by the agent from the StartShard")
+    if start.cpu_threads and parsed.has("--threads"):
+        problems.append("engine_args: --threads conflicts with cpu_threads; give one of them")
+    if not adapter.tp_flag:
+        return problems
+    sizes: dict[str, int] = {}
+    for flag in (adapter.tp_flag, adapter.pp_flag):
+        raw = parsed.first(flag)
+        if raw is None:
+            continue
+        value = -1
+        with contextlib.suppress(ValueError):
+            value = int(raw)
+        if value < 1:
+            problems.append(f"engine_args: {flag} {raw!r} is not a whole number >= 1")
+        sizes[flag] = value
+    if any(v < 1 for v in sizes.values()) or not start.gpu_indices:
+        return problems
+    tp, pp = adapter.parallel_sizes(start, parsed)
+    nodes = max(1, start.multi_node.size) if start.multi_node else 1
+    gpus = len(start.gpu_indices) * nodes
+    if tp * pp != gpus:
+        where = f"{len(start.gpu_indices)} GPUs per node x {nodes} nodes"
+        problems.append(
+            f"tensor parallel {tp} x pipeline parallel {pp} = {tp * pp}, "
+            f"but the shard has {gpus} GPUs ({where})"
+        )
+    return problems

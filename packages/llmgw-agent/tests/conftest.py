@@ -1,0 +1,201 @@
+"""Shared fixtures: a fake NVML, StartShard builders, engine scripts, agent configs."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from llmgw_proto import v1
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str = "NVIDIA H200"
+    total: int = 141 * 1024**3
+    used: int = 0
+    util: int = 0
+    bus_id: str = "00000000:18:00.0"
+    # link number -> remote bus id; None: NVLink not supported on this GPU.
+    links: dict[int, str] | None = None
+    # method name -> exception raised when that method is called for this GPU.
+    errors: dict[str, Exception] = field(default_factory=dict)
+
+
+class FakeNvml:
+    """Behaves like NVML through the agent's Nvml protocol, errors included."""
+
+    max_links = 18
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu] | None = None,
+        *,
+        init_error: Exception | None = None,
+        count_error: Exception | None = None,
+        driver: str = "570.86.15",
+        cuda: int = 12080,
+    ) -> None:
+        self.gpus = gpus or []
+        self.init_error = init_error
+        self.count_error = count_error
+        self.driver = driver
+        self.cuda = cuda
+        self.initialized = False
+        self.shutdowns = 0
+
+    def _gpu(self, handle: Any, method: str) -> FakeGpu:
+        assert self.initialized, "NVML call before nvmlInit"
+        gpu: FakeGpu = self.gpus[handle]
+        if method in gpu.errors:
+            raise gpu.errors[method]
+        return gpu
+
+    def init(self) -> None:
+        if self.init_error is not None:
+            raise self.init_error
+        self.initialized = True
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.initialized = False
+
+    def driver_version(self) -> str:
+        return self.driver
+
+    def cuda_driver_version(self) -> int:
+        return self.cuda
+
+    def device_count(self) -> int:
+        if self.count_error is not None:
+            raise self.count_error
+        return len(self.gpus)
+
+    def handle(self, index: int) -> Any:
+        self._gpu(index, "handle")
+        return index
+
+    def uuid(self, handle: Any) -> str:
+        return self._gpu(handle, "uuid").uuid
+
+    def name(self, handle: Any) -> str:
+        return self._gpu(handle, "name").name
+
+    def memory(self, handle: Any) -> tuple[int, int]:
+        gpu = self._gpu(handle, "memory")
+        return gpu.total, gpu.used
+
+    def pci_bus_id(self, handle: Any) -> str:
+        return self._gpu(handle, "pci_bus_id").bus_id
+
+    def nvlink_active(self, handle: Any, link: int) -> bool:
+        gpu = self._gpu(handle, "nvlink_active")
+        if gpu.links is None:
+            raise pynvml.NVMLError_NotSupported()
+        if link >= 18:
+            raise pynvml.NVMLError_InvalidArgument()
+        return link in gpu.links
+
+    def nvlink_remote_bus_id(self, handle: Any, link: int) -> str:
+        gpu = self._gpu(handle, "nvlink_remote_bus_id")
+        assert gpu.links is not None
+        return gpu.links[link]
+
+    def utilization(self, handle: Any) -> int:
+        return self._gpu(handle, "utilization").util
+
+
+def make_start(**overrides: Any) -> v1.StartShard:
+    """A valid vLLM StartShard for a simulated 2-GPU node; override what a test needs."""
+    fields: dict[str, Any] = {
+        "command_id": "cmd-1",
+        "shard_id": "qwen.fast.0123abcd-0",
+        "replica_id": "qwen.fast.0123abcd",
+        "model": "qwen",
+        "profile": "fast",
+        "engine": v1.EngineKind.VLLM,
+        "model_ref": "Qwen/Qwen2.5-0.5B-Instruct",
+        "engine_args": [],
+        "gpu_indices": [0],
+        "port": 20001,
+        "served_model_names": ["qwen"],
+    }
+    fields.update(overrides)
+    return v1.StartShard(**fields)
+
+
+# A stand-in engine, used until (and besides) the simulator: it serves /health
+# (503 for --sim-load seconds, then 200) and /metrics, prints its argv, and
+# exits with --sim-exit CODE after --sim-exit-after seconds.
+FAKE_ENGINE = textwrap.dedent(
+    r"""
+    import http.server, os, signal, sys, threading, time
+    args = sys.argv[1:]
+    def opt(name, default):
+        return type(default)(args[args.index(name) + 1]) if name in args else default
+    port = opt("--port", 0)
+    load = opt("--sim-load", 0.0)
+    exit_after = opt("--sim-exit-after", -1.0)
+    exit_code = opt("--sim-exit", 0)
+    running_file = opt("--sim-running-file", "")
+    ignore_term = "--sim-ignore-term" in args
+    t0 = time.monotonic()
+    print("fake engine argv:", " ".join(args), flush=True)
+    print("CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"), flush=True)
+    if ignore_term:
+        signal.signal(signal.SIGTERM, lambda *a: print("ignoring SIGTERM", flush=True))
+    else:
+        signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), os._exit(0)))
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def do_GET(self):
+            if self.path == "/health":
+                code = 200 if time.monotonic() - t0 >= load else 503
+                body = b"ok" if code == 200 else b"loading"
+            elif self.path == "/metrics":
+                n = open(running_file).read().strip() if running_file and os.path.exists(running_file) else "0"
+                code, body = 200, ("vllm:num_requests_running{model_name=\"m\"} %s\n" % n).encode()
+            else:
+                code, body = 404, b"no"
+            self.send_response(code); self.send_header("Content-Length", str(len(body)))
+            self.end_headers(); self.wfile.write(body)
+    if "--headless" not in args:
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        print("listening on", port, flush=True)
+    while True:
+        time.sleep(0.05)
+        if exit_after >= 0 and time.monotonic() - t0 >= exit_after:
+            for i in range(60):
+                print("dying line", i, flush=True)
+            sys.exit(exit_code)
+    """
+)
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path) -> list[str]:
+    """An engine command for agent.yaml: ``python fake_engine.py`` (the adapter appends)."""
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+    return [sys.executable, str(script)]
+
+
+@dataclass(frozen=True)
+class Kit:
+    """Test helpers handed out as a fixture (test modules cannot import conftest)."""
+
+    FakeNvml: type[FakeNvml]
+    FakeGpu: type[FakeGpu]
+    make_start: Callable[..., v1.StartShard]
+
+
+@pytest.fixture
+def kit() -> Kit:
+    return Kit(FakeNvml=FakeNvml, FakeGpu=FakeGpu, make_start=make_start)
