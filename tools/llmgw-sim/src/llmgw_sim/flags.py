@@ -267,6 +267,16 @@ VLLM_FLAGS: tuple[Flag, ...] = (
     _f("--disable-log-stats", "bool", False),
     _f("--enable-log-requests", "bool", False),
     _f("--disable-log-requests", "bool", False),
+    _f("--mm-encoder-tp-mode", "str", "weights", ("weights", "data")),
+    _f("--async-scheduling-mode", "str"),
+    # Flags of slightly older vLLM releases (0.8-0.10) still found in deployments.
+    _f("--enable-reasoning", "true", False),
+    _f("--preemption-mode", "str"),
+    _f("--max-seq-len-to-capture", "int", 8192),
+    _f("--disable-async-output-proc", "true", False),
+    _f("--tokenizer-pool-size", "int", 0),
+    _f("--lora-extra-vocab-size", "int", 256),
+    _f("--override-pooler-config", "str"),
 )
 
 SGLANG_FLAGS: tuple[Flag, ...] = (
@@ -395,6 +405,12 @@ SGLANG_FLAGS: tuple[Flag, ...] = (
     _f("--enable-custom-logit-processor", "true", False),
     _f("--cpu-offload-gb", "int", 0),
     _f("--config", "str"),
+    _f("--enable-deterministic-inference", "true", False),
+    _f("--enable-ep-moe", "true", False),
+    _f("--enable-two-batch-overlap", "true", False),
+    _f("--hicache-size", "int", 0),
+    _f("--kv-cache-memory", "int"),
+    _f("--moe-runner-backend", "str", "auto"),
 )
 
 LLAMA_SERVER_FLAGS: tuple[Flag, ...] = (
@@ -499,6 +515,9 @@ LLAMA_SERVER_FLAGS: tuple[Flag, ...] = (
     _f("--draft-max --draft --draft-n", "int", 16),
     _f("--draft-min --draft-n-min", "int", 0),
     _f("--no-prefill-assistant", "true", False),
+    _f("--ctx-checkpoints --swa-checkpoints", "int", 8),
+    _f("-gan --grp-attn-n", "int", 1),
+    _f("-gaw --grp-attn-w", "int", 512),
 )
 
 FLAG_TABLES: dict[EngineKind, tuple[Flag, ...]] = {

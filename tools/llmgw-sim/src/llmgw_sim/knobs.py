@@ -24,6 +24,7 @@ class Knobs:
     """Every simulation knob, with its default.  Times are seconds."""
 
     load_time: float = 0.0
+    load_until: str | None = None
     ttft: float = 0.0
     itl: float = 0.0
     prefill_per_token: float = 0.0
@@ -54,6 +55,7 @@ class Knobs:
 _SWITCHES = frozenset({"log_requests"})
 _HELP: dict[str, str] = {
     "load_time": "seconds spent 'loading the model' before the engine is ready",
+    "load_until": "also keep loading until this file exists (lets tests and demos decide)",
     "ttft": "base time to first token, seconds",
     "itl": "inter-token latency, seconds",
     "prefill_per_token": "extra time to first token per prompt token not found in the prefix cache",
@@ -93,7 +95,7 @@ def _knob_fields() -> dict[str, type]:
             types[f.name] = int
         elif f.name in {"crash_after_seconds"}:
             types[f.name] = float
-        elif f.name in {"fail_on_load", "version"}:
+        elif f.name in {"fail_on_load", "version", "load_until"}:
             types[f.name] = str
         else:
             types[f.name] = type(value)

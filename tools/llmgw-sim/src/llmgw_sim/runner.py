@@ -34,6 +34,11 @@ from llmgw_sim.server import Engine, build_app
 _BACKLOG = 2048
 
 
+def _exists(path: str) -> bool:
+    # A single stat on a local path: cheap enough to do on the event loop.
+    return os.path.exists(path)
+
+
 class Lifecycle:
     def __init__(self, config: EngineConfig, log: EngineLog) -> None:
         self.config = config
@@ -90,6 +95,14 @@ class Lifecycle:
             return self.stop.is_set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), seconds)
+        return self.stop.is_set()
+
+    async def _wait_for_file(self) -> bool:
+        """Wait for --sim-load-until's file; True when a stop signal came first."""
+        path = self.knobs.load_until
+        while path is not None and not _exists(path):
+            if await self._sleep_or_stop(0.05):
+                return True
         return self.stop.is_set()
 
     # ----- log lines --------------------------------------------------------
@@ -277,7 +290,7 @@ class Lifecycle:
             self._log_listening_early()
 
         self._log_loading()
-        if await self._sleep_or_stop(knobs.load_time):
+        if await self._sleep_or_stop(knobs.load_time) or await self._wait_for_file():
             return await self._shutdown(engine)
         try:
             check_memory(cfg)

@@ -86,8 +86,19 @@ def start(
         yield sim
 
 
-def run_to_exit(log_dir: Path, argv: list[str], env: Mapping[str, str] | None = None) -> Proc:
-    """Run a simulator expected to exit on its own; return the finished process."""
+@dataclass
+class Exited:
+    returncode: int
+    output: str
+
+    def tail(self, lines: int = 2) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+def run_to_exit(
+    log_dir: Path, argv: list[str], env: Mapping[str, str] | None = None, timeout: float = 30.0
+) -> Exited:
+    """Run a simulator that is expected to exit on its own; return its code and output."""
     with Proc(argv, log_dir=log_dir, env=env) as proc:
-        proc.wait(timeout=30)
-    return proc
+        code = proc.wait(timeout=timeout)
+        return Exited(code, proc.output())

@@ -1,0 +1,136 @@
+"""The SGLang and llama.cpp stand-ins: their own health, metrics, errors and flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+from llmgw_sim.metrics import parse_prometheus
+from llmgw_sim.testing import SIM, Sim, engine_argv, run_to_exit, start
+from llmgw_testkit import Proc, free_port, http_get, wait_for
+
+
+def _stream_with_usage(sim: Sim, model: str, api_key: str = "none") -> None:
+    with openai.OpenAI(base_url=sim.url + "/v1", api_key=api_key, max_retries=0) as c:
+        chunks = list(
+            c.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 6
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_sglang_health_is_503_while_loading(tmp_path: Path) -> None:
+    port = free_port()
+    loaded = tmp_path / "loaded"
+    args = ["--tp-size", "2", "--enable-metrics", "--sim-load-until", str(loaded)]
+    with Proc(
+        engine_argv("sglang", port, args), log_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "0,1"}
+    ) as proc:
+        proc.wait_output("Uvicorn running on")
+        assert http_get(f"http://127.0.0.1:{port}/health")[0] == 503
+        loaded.touch()
+        proc.wait_output("The server is fired up and ready to roll!")
+        assert http_get(f"http://127.0.0.1:{port}/health")[0] == 200
+        assert "Load weight begin" in proc.output()
+
+
+def test_sglang_api_and_metrics(tmp_path: Path) -> None:
+    args = ["--served-model-name", "qwen", "--enable-metrics", "--api-key", "k"]
+    with start(tmp_path, "sglang", args) as sim:
+        _stream_with_usage(sim, "qwen", api_key="k")
+        r = httpx.get(sim.url + "/v1/models", headers={"Authorization": "Bearer k"})
+        assert [m["id"] for m in r.json()["data"]] == ["qwen"]
+        assert httpx.get(sim.url + "/v1/models").status_code == 401
+        r = httpx.post(
+            sim.url + "/v1/chat/completions",
+            headers={"Authorization": "Bearer k"},
+            json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 404
+        assert r.json()["object"] == "error"
+        text = httpx.get(sim.url + "/metrics").text
+        samples = parse_prometheus(text)
+        assert samples['sglang:num_running_reqs{model_name="qwen"}'] == 0
+        assert samples['sglang:num_queue_reqs{model_name="qwen"}'] == 0
+        assert samples['sglang:generation_tokens_total{model_name="qwen"}'] == 6
+        assert httpx.get(sim.url + "/get_model_info").json()["model_path"] == "org/model"
+
+
+def test_sglang_without_enable_metrics_has_no_metrics(tmp_path: Path) -> None:
+    with start(tmp_path, "sglang") as sim:
+        assert httpx.get(sim.url + "/metrics").status_code == 404
+
+
+def test_sglang_unknown_flag_exits_2(tmp_path: Path) -> None:
+    proc = run_to_exit(tmp_path, [*SIM, "sglang", "--model-path", "m", "--bogus"])
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --bogus" in proc.output
+
+
+def test_llama_server_health_while_loading_then_ok(tmp_path: Path) -> None:
+    port = free_port()
+    loaded = tmp_path / "loaded"
+    args = ["--alias", "tiny", "--metrics", "--sim-load-until", str(loaded)]
+    with Proc(engine_argv("llama-server", port, args), log_dir=tmp_path) as proc:
+        proc.wait_output("main: loading model")
+        url = f"http://127.0.0.1:{port}"
+        status, body = wait_for(lambda: http_get(url + "/health"), what="llama /health answers")
+        assert status == 503
+        assert httpx.Response(503, content=body).json() == {
+            "error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}
+        }
+        loaded.touch()
+        proc.wait_output("starting the main loop")
+        assert http_get(url + "/health") == (200, b'{"status":"ok"}')
+
+
+def test_llama_server_api_metrics_and_key(tmp_path: Path) -> None:
+    args = ["--alias", "tiny", "--metrics", "-c", "2048", "-t", "4", "--api-key", "k1,k2"]
+    with start(tmp_path, "llama-server", args) as sim:
+        _stream_with_usage(sim, "tiny", api_key="k2")
+        models = httpx.get(sim.url + "/v1/models").json()
+        assert models["data"][0]["id"] == "tiny"
+        r = httpx.post(sim.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(sim.url + "/metrics", headers={"X-Api-Key": "k1"})
+        samples = parse_prometheus(r.text)
+        assert samples["llamacpp:requests_processing"] == 0
+        assert samples["llamacpp:tokens_predicted_total"] == 6
+        assert "llamacpp:kv_cache_usage_ratio" in samples
+        r = httpx.post(
+            sim.url + "/v1/chat/completions",
+            headers={"Authorization": "Bearer k1"},
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4000},
+        )
+        assert r.status_code == 400
+        assert "maximum context length is 2048" in r.json()["error"]["message"]
+
+
+def test_llama_server_without_metrics_flag_answers_501(tmp_path: Path) -> None:
+    with start(tmp_path, "llama-server") as sim:
+        r = httpx.get(sim.url + "/metrics")
+        assert r.status_code == 501
+        assert r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_llama_server_unknown_flag_and_load_failure(tmp_path: Path) -> None:
+    proc = run_to_exit(tmp_path, [*SIM, "llama-server", "-m", "x.gguf", "--bogus"])
+    assert proc.returncode == 1
+    assert "error: invalid argument: --bogus" in proc.output
+    proc = run_to_exit(
+        tmp_path,
+        engine_argv("llama-server", free_port(), ["--sim-fail-on-load", "bad magic"]),
+    )
+    assert proc.returncode == 1
+    assert "llama_model_load: error loading model: bad magic" in proc.output
+    assert "main: exiting due to model loading error" in proc.tail(1)
