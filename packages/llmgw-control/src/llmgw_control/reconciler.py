@@ -6,7 +6,7 @@ plane's own replica records and the time, and returns new replica records and
 the commands to send. It is safe to run at any moment, as often as wanted:
 everything it sends is idempotent at the agent, and it remembers per node
 session what it already sent so it does not repeat itself. The thin async loop
-that runs it lives in :mod:`llmgw_control.server`.
+that runs it lives in :mod:`llmgw_control.controller`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ __all__ = [
     "Stop",
     "new_replica_id",
     "reconcile",
+    "replica_state",
+    "unsend",
 ]
 
 
@@ -172,7 +174,61 @@ def reconcile(
     new_id: Callable[[str, str], str] = new_replica_id,
 ) -> Decision:
     """One pass: desired vs actual, as new records and the commands to send."""
-    return _Pass(catalog, nodes, copy.deepcopy(state), now, settings, new_id).run()
+    return _Pass(catalog, nodes, _clone(state), now, settings, new_id).run()
+
+
+def _clone(state: ControlState) -> ControlState:
+    """A copy the pass may change freely (cheaper than deepcopy on a large fleet)."""
+    replicas = {}
+    for rid, r in state.replicas.items():
+        twin = copy.copy(r)
+        twin.shards = [copy.copy(p) for p in r.shards]
+        replicas[rid] = twin
+    return ControlState(
+        replicas=replicas,
+        orphan_stops=dict(state.orphan_stops),
+        replaced=dict(state.replaced),
+        started_at=state.started_at,
+        passes=state.passes,
+    )
+
+
+def unsend(state: ControlState, command: Command) -> None:
+    """Forget that ``command`` went out (it was never answered), so the next pass resends."""
+    if isinstance(command, Stop):
+        state.orphan_stops.pop((command.node_id, command.shard_id), None)
+    for r in state.replicas.values():
+        for plan in r.shards:
+            if plan.shard_id == command.shard_id and plan.node_id == command.node_id:
+                if isinstance(command, Start):
+                    plan.start_session = ""
+                elif isinstance(command, Drain):
+                    plan.drain_session = ""
+                else:
+                    plan.stop_session = ""
+
+
+def replica_state(r: Replica, nodes: Mapping[str, Node], now: float) -> str:
+    """One word for status: draining, backoff, unplaced, adopting, unreachable, ready, ..."""
+    if r.draining:
+        return "draining"
+    if not r.placed:
+        if r.retry_at > now:
+            return "backoff"
+        return "unplaced" if r.explanation else "pending"
+    if not r.complete:
+        return "adopting"
+    shard_nodes = [nodes.get(p.node_id) for p in r.shards]
+    if any(n is None or n.state != NodeState.READY for n in shard_nodes):
+        return "unreachable"
+    reports = [
+        n.shards.get(p.shard_id) if n else None for n, p in zip(shard_nodes, r.shards, strict=True)
+    ]
+    if all(x is not None and x.state == v1.ShardState.READY for x in reports):
+        return "ready"
+    if any(x is not None and x.state in _ENDED for x in reports):
+        return "failed"
+    return "starting"
 
 
 class _Pass:

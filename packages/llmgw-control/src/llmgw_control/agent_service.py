@@ -1,0 +1,253 @@
+"""AgentService.Connect: one bidirectional stream per node, and the command dispatcher.
+
+The handler takes grpclib's raw stream (not betterproto2's generated one) because
+the control plane must push commands at any moment, from the reconciler's task,
+and must see the peer (address now, certificate once mTLS identities arrive). Per
+stream, one task reads what the agent says and one writes what control queued; a
+newer stream for the same node closes the older one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import secrets
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpclib.const
+import grpclib.server
+import structlog
+from grpclib.exceptions import GRPCError
+from llmgw_proto import v1
+from llmgw_proto.tls import peer_common_name
+
+from llmgw_control.metrics import Metrics
+
+__all__ = ["AgentEvents", "AgentService", "Session"]
+
+log = structlog.get_logger(__name__)
+
+Stream = grpclib.server.Stream[v1.AgentMessage, v1.ControlMessage]
+
+
+class AgentEvents(Protocol):
+    """What the stream handler tells the rest of the control plane."""
+
+    def on_register(self, session: Session, msg: v1.Register) -> None: ...
+    def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None: ...
+    def on_shard_status(self, session: Session, msg: v1.ShardStatus) -> None: ...
+    def on_disconnect(self, session: Session) -> None: ...
+    def on_command_result(
+        self, node_id: str, command_id: str, ok: bool, error: str, *, answered: bool
+    ) -> None: ...
+
+
+@dataclass(eq=False)
+class Session:
+    node_id: str
+    session_id: str
+    peer_host: str
+    outbox: asyncio.Queue[v1.ControlMessage] = field(default_factory=asyncio.Queue)
+    replaced: asyncio.Event = field(default_factory=asyncio.Event)
+    # Commands sent on this stream and not yet answered.
+    pending: set[str] = field(default_factory=set)
+
+
+class AgentService:
+    def __init__(
+        self,
+        events: AgentEvents,
+        *,
+        heartbeat_interval: float,
+        command_timeout: float,
+        metrics: Metrics | None = None,
+        register_timeout: float = 30.0,
+    ) -> None:
+        self.events = events
+        self.heartbeat_interval = heartbeat_interval
+        self.command_timeout = command_timeout
+        self.register_timeout = register_timeout
+        self.metrics = metrics or Metrics()
+        self.sessions: dict[str, Session] = {}
+        self._deadlines: dict[str, tuple[str, asyncio.TimerHandle]] = {}
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            "/llmgw.v1.AgentService/Connect": grpclib.const.Handler(
+                self.connect,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                v1.AgentMessage,
+                v1.ControlMessage,
+            )
+        }
+
+    # --- dispatcher -----------------------------------------------------------------
+
+    def send(self, node_id: str, command_id: str, msg: v1.ControlMessage) -> bool:
+        """Queue ``msg`` on the node's stream; its CommandResult is awaited for a while.
+
+        False when the node has no stream: the reconciler sends again once it has.
+        """
+        session = self.sessions.get(node_id)
+        if session is None:
+            return False
+        session.outbox.put_nowait(msg)
+        session.pending.add(command_id)
+        handle = asyncio.get_running_loop().call_later(
+            self.command_timeout, self._expire, command_id
+        )
+        self._deadlines[command_id] = (node_id, handle)
+        return True
+
+    def _expire(self, command_id: str) -> None:
+        entry = self._deadlines.pop(command_id, None)
+        if entry is None:
+            return
+        node_id, _ = entry
+        session = self.sessions.get(node_id)
+        if session is not None:
+            session.pending.discard(command_id)
+        self.events.on_command_result(
+            node_id,
+            command_id,
+            False,
+            f"no answer within {self.command_timeout:g}s",
+            answered=False,
+        )
+
+    def _answered(self, node_id: str, result: v1.CommandResult) -> None:
+        entry = self._deadlines.pop(result.command_id, None)
+        if entry is None:
+            log.debug(
+                "result for an unknown command", node_id=node_id, command_id=result.command_id
+            )
+            return
+        entry[1].cancel()
+        self.events.on_command_result(
+            node_id, result.command_id, result.ok, result.error, answered=True
+        )
+
+    def _abandon(self, session: Session) -> None:
+        """The stream is gone: its unanswered commands failed (the reconciler resends)."""
+        for command_id in session.pending:
+            entry = self._deadlines.pop(command_id, None)
+            if entry is not None:
+                entry[1].cancel()
+                self.events.on_command_result(
+                    session.node_id,
+                    command_id,
+                    False,
+                    "stream closed before an answer",
+                    answered=False,
+                )
+        session.pending.clear()
+
+    # --- the stream -----------------------------------------------------------------
+
+    async def connect(self, stream: Stream) -> None:
+        peer = stream.peer.addr() if stream.peer is not None else None
+        peer_host = str(peer[0]) if peer else ""
+        try:
+            first = await asyncio.wait_for(stream.recv_message(), self.register_timeout)
+        except TimeoutError:
+            raise GRPCError(
+                grpclib.const.Status.DEADLINE_EXCEEDED, "no Register within the deadline"
+            ) from None
+        register = first.register if first is not None else None
+        if register is None or not register.node_id:
+            raise GRPCError(
+                grpclib.const.Status.INVALID_ARGUMENT,
+                "the first message on an agent stream must be a Register with a node_id",
+            )
+        cert_name = peer_common_name(stream.peer.cert() if stream.peer is not None else None)
+        if cert_name is not None and cert_name != register.node_id:
+            raise GRPCError(
+                grpclib.const.Status.PERMISSION_DENIED,
+                f"certificate is for {cert_name!r}, not node {register.node_id!r}",
+            )
+        session = Session(register.node_id, secrets.token_hex(8), peer_host)
+        older = self.sessions.get(session.node_id)
+        self.sessions[session.node_id] = session
+        if older is not None:
+            older.replaced.set()
+            self._abandon(older)
+            log.info("newer stream replaces older", node_id=session.node_id)
+        await stream.send_message(
+            v1.ControlMessage(
+                register_ack=v1.RegisterAck(
+                    session_id=session.session_id,
+                    heartbeat_interval=dt.timedelta(seconds=self.heartbeat_interval),
+                )
+            )
+        )
+        self.metrics.registrations.inc()
+        self.metrics.streams.inc()
+        log.info(
+            "agent registered",
+            node_id=session.node_id,
+            peer=peer_host,
+            shards=len(register.shards),
+            gpus=len(register.inventory.gpus) if register.inventory else 0,
+        )
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            self.events.on_register(session, register)
+            tasks = {
+                asyncio.create_task(self._send_loop(stream, session)),
+                asyncio.create_task(self._recv_loop(stream, session)),
+                asyncio.create_task(_wait(session.replaced)),
+            }
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.info(
+                        "agent stream failed", node_id=session.node_id, error=repr(task.exception())
+                    )
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            self.metrics.streams.dec()
+            if self.sessions.get(session.node_id) is session:
+                del self.sessions[session.node_id]
+                self._abandon(session)
+                self.events.on_disconnect(session)
+                log.info("agent disconnected", node_id=session.node_id)
+        if session.replaced.is_set():
+            raise GRPCError(
+                grpclib.const.Status.ABORTED, "replaced by a newer stream for this node"
+            )
+
+    async def _send_loop(self, stream: Stream, session: Session) -> None:
+        # The only writer of this stream: concurrent send_message calls could interleave.
+        while True:
+            msg = await session.outbox.get()
+            await stream.send_message(msg)
+
+    async def _recv_loop(self, stream: Stream, session: Session) -> None:
+        events = self.events
+        async for msg in stream:
+            if msg.heartbeat is not None:
+                self._heartbeat(session, msg.heartbeat)
+            elif msg.shard_status is not None:
+                events.on_shard_status(session, msg.shard_status)
+            elif msg.command_result is not None:
+                session.pending.discard(msg.command_result.command_id)
+                self._answered(session.node_id, msg.command_result)
+            elif msg.register is not None:
+                log.warning("second Register on one stream ignored", node_id=session.node_id)
+
+    def _heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
+        self.metrics.heartbeats.inc()
+        if msg.sent_at is not None:
+            lag = (dt.datetime.now(dt.UTC) - msg.sent_at).total_seconds()
+            self.metrics.heartbeat_lag.observe(max(lag, 0.0))
+        self.events.on_heartbeat(session, msg)
+
+
+async def _wait(event: asyncio.Event) -> None:
+    await event.wait()

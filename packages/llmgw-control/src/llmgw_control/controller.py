@@ -1,0 +1,400 @@
+"""The control plane process: inventory, reconciler, agent and publish services, wired.
+
+Agent events update the inventory and wake the reconcile loop; the loop runs the
+pure :func:`~llmgw_control.reconciler.reconcile` on every wake-up and at least every
+``interval``, hands its commands to the agent service, and publishes the ready
+endpoints. Everything runs on one event loop, so no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import itertools
+import secrets
+import time
+from typing import Any
+
+import structlog
+from llmgw_proto import v1
+
+from llmgw_control.agent_service import AgentService, Session
+from llmgw_control.catalog import Catalog
+from llmgw_control.config import ControlConfig, ControlSettings, Loaded
+from llmgw_control.inventory import Inventory, Node, NodeState
+from llmgw_control.metrics import Metrics
+from llmgw_control.placement import host_for_url
+from llmgw_control.publish import Publisher
+from llmgw_control.reconciler import (
+    Command,
+    ControlState,
+    Drain,
+    Replica,
+    Settings,
+    Stop,
+    reconcile,
+    replica_state,
+    unsend,
+)
+
+__all__ = ["Controller", "settings_of"]
+
+log = structlog.get_logger(__name__)
+
+ENGINES = {
+    "vllm": v1.EngineKind.VLLM,
+    "sglang": v1.EngineKind.SGLANG,
+    "llamacpp": v1.EngineKind.LLAMACPP,
+}
+# vLLM, SGLang and llama-server all answer their health check here.
+HEALTH_PATH = "/health"
+
+
+def settings_of(c: ControlSettings) -> Settings:
+    return Settings(
+        port_range=c.port_range,
+        mgmt_interface=c.mgmt_interface,
+        base_backoff=c.base_backoff,
+        max_backoff=c.max_backoff,
+        drain_timeout=c.drain_timeout,
+        stop_grace=c.stop_grace,
+        startup_grace=c.startup_grace,
+        adopt_grace=c.lost_after,
+    )
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+class Controller:
+    def __init__(self, loaded: Loaded) -> None:
+        self.config: ControlConfig = loaded.config
+        self.catalog: Catalog = loaded.catalog
+        self.settings = settings_of(self.config.control)
+        self.metrics = Metrics()
+        self.inventory = Inventory()
+        self.state = ControlState(started_at=time.monotonic())
+        self.started = dt.datetime.now(dt.UTC)
+        self.publisher = Publisher(self.metrics)
+        self.agents = AgentService(
+            self,
+            heartbeat_interval=self.config.control.heartbeat_interval,
+            command_timeout=self.config.control.command_timeout,
+            metrics=self.metrics,
+        )
+        self._wake = asyncio.Event()
+        self._sent: dict[str, Command] = {}
+        self._ids = itertools.count(1)
+        self._prefix = secrets.token_hex(3)
+
+    # --- agent events ---------------------------------------------------------------
+
+    def on_register(self, session: Session, msg: v1.Register) -> None:
+        self.inventory.register(msg, session.session_id, session.peer_host, time.monotonic())
+        self._wake.set()
+
+    def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
+        self.inventory.heartbeat(session.node_id, session.session_id, msg, time.monotonic())
+        node = self.inventory.nodes.get(session.node_id)
+        if node is not None and node.state != NodeState.READY:
+            self._wake.set()
+
+    def on_shard_status(self, session: Session, msg: v1.ShardStatus) -> None:
+        self.inventory.shard_status(session.node_id, session.session_id, msg, time.monotonic())
+        log.info(
+            "shard status",
+            node_id=session.node_id,
+            shard_id=msg.shard_id,
+            state=v1.ShardState(msg.state).name,
+            reason=msg.reason or None,
+        )
+        self._wake.set()
+
+    def on_disconnect(self, session: Session) -> None:
+        self.inventory.disconnect(session.node_id, session.session_id)
+        self._wake.set()
+
+    def on_command_result(
+        self, node_id: str, command_id: str, ok: bool, error: str, *, answered: bool
+    ) -> None:
+        command = self._sent.pop(command_id, None)
+        kind = type(command).__name__.lower() if command is not None else "unknown"
+        self.metrics.commands.labels(kind, "ok" if ok else "error").inc()
+        if ok:
+            return
+        log.warning("command failed", node_id=node_id, command_id=command_id, error=error)
+        # An agent's refusal of a start comes with a FAILED status; only commands that
+        # went unanswered are sent again.
+        if command is not None and not answered:
+            unsend(self.state, command)
+            self._wake.set()
+
+    # --- the loop -------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        interval = self.settings_interval
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.reconcile_now()
+            except Exception:
+                log.exception("reconcile pass failed")
+            # Let a burst of events (a reconnect storm) pile up into one pass.
+            await asyncio.sleep(min(0.05, interval))
+
+    @property
+    def settings_interval(self) -> float:
+        return float(self.config.control.interval)
+
+    def reconcile_now(self) -> None:
+        started = time.perf_counter()
+        now = time.monotonic()
+        c = self.config.control
+        for node in self.inventory.refresh(now, c.unreachable_after, c.lost_after):
+            log.info("node state", node_id=node.node_id, state=node.state.value)
+        decision = reconcile(self.catalog, self.inventory.nodes, self.state, now, self.settings)
+        self.state = decision.state
+        for command in decision.commands:
+            self._dispatch(command)
+        self.publisher.update(self.endpoints())
+        self.inventory.prune(
+            {p.shard_id for r in self.state.replicas.values() for p in r.shards}, now
+        )
+        self._gauges(now)
+        self.metrics.reconciles.inc()
+        self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+
+    def _dispatch(self, command: Command) -> None:
+        command_id = f"{self._prefix}-{next(self._ids)}"
+        msg = self._message(command, command_id)
+        if not self.agents.send(command.node_id, command_id, msg):
+            unsend(self.state, command)
+            return
+        self._sent[command_id] = command
+        log.info(
+            "command sent",
+            kind=type(command).__name__,
+            node_id=command.node_id,
+            shard_id=command.shard_id,
+            command_id=command_id,
+        )
+
+    def _message(self, command: Command, command_id: str) -> v1.ControlMessage:
+        if isinstance(command, Stop):
+            return v1.ControlMessage(
+                stop_shard=v1.StopShard(
+                    command_id=command_id,
+                    shard_id=command.shard_id,
+                    grace=dt.timedelta(seconds=command.grace),
+                )
+            )
+        if isinstance(command, Drain):
+            return v1.ControlMessage(
+                drain_shard=v1.DrainShard(
+                    command_id=command_id,
+                    shard_id=command.shard_id,
+                    deadline=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=command.within),
+                )
+            )
+        p = command.profile
+        return v1.ControlMessage(
+            start_shard=v1.StartShard(
+                command_id=command_id,
+                shard_id=command.shard_id,
+                replica_id=command.replica_id,
+                model=p.model,
+                profile=p.name,
+                engine=ENGINES[p.engine],
+                model_ref=p.model_ref,
+                engine_args=list(p.engine_args),
+                env=dict(p.env),
+                gpu_indices=list(command.gpu_indices),
+                port=command.port,
+                served_model_names=list(p.served_model_names),
+                multi_node=v1.MultiNode(
+                    rank=command.rank, size=command.size, leader_address=command.leader_address
+                ),
+                load_timeout=dt.timedelta(seconds=p.load_timeout),
+                cpu_threads=p.cpu_threads,
+            )
+        )
+
+    def reload(self, loaded: Loaded) -> None:
+        """Take a new catalog and timings (SIGHUP); listen addresses need a restart."""
+        if (loaded.config.listen, loaded.config.admin_listen, loaded.config.tls) != (
+            self.config.listen,
+            self.config.admin_listen,
+            self.config.tls,
+        ):
+            log.warning("listen, admin_listen and tls changes take effect after a restart")
+        self.config = loaded.config
+        self.catalog = loaded.catalog
+        self.settings = settings_of(loaded.config.control)
+        log.info("config reloaded", profiles=len(loaded.catalog.profiles))
+        self._wake.set()
+
+    # --- what is published and shown ------------------------------------------------
+
+    def endpoints(self) -> list[v1.Endpoint]:
+        out = []
+        for r in self.state.replicas.values():
+            if r.draining or not r.complete or not r.placed:
+                continue
+            leader = r.shards[0]
+            node = self.inventory.nodes.get(leader.node_id)
+            # An unreachable node's engine may well be serving: keep it until LOST.
+            if node is None or node.state == NodeState.LOST:
+                continue
+            report = node.shards.get(leader.shard_id)
+            if report is None or report.state != v1.ShardState.READY:
+                continue
+            profile = self.catalog.get(r.model, r.profile)
+            if profile is None:
+                continue
+            out.append(
+                v1.Endpoint(
+                    id=r.replica_id,
+                    url=f"http://{host_for_url(leader.address)}:{leader.port}",
+                    served_model_names=list(profile.served_model_names),
+                    model=r.model,
+                    profile=r.profile,
+                    weight=profile.weight,
+                    node_id=node.node_id,
+                    labels=dict(node.labels),
+                    replica_id=r.replica_id,
+                    health_path=HEALTH_PATH,
+                )
+            )
+        return out
+
+    def _gauges(self, now: float) -> None:
+        counts = dict.fromkeys(NodeState, 0)
+        for node in self.inventory.nodes.values():
+            counts[node.state] += 1
+        for state, count in counts.items():
+            self.metrics.nodes.labels(state.value).set(count)
+        self.metrics.replicas.clear()
+        for r in self.state.replicas.values():
+            self.metrics.replicas.labels(
+                r.model, r.profile, replica_state(r, self.inventory.nodes, now)
+            ).inc()
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        nodes = [
+            self._node_status(n)
+            for n in sorted(self.inventory.nodes.values(), key=lambda n: n.node_id)
+        ]
+        replicas = [
+            self._replica_status(r, now)
+            for r in sorted(
+                self.state.replicas.values(), key=lambda r: (r.model, r.profile, r.replica_id)
+            )
+        ]
+        return {
+            "started": _iso(self.started),
+            "reconciles": self.state.passes,
+            "publish_version": self.publisher.version,
+            "nodes": nodes,
+            "replicas": replicas,
+            "unplaceable": [
+                {k: x[k] for k in ("replica_id", "model", "profile", "explanation")}
+                for x in replicas
+                if x["state"] == "unplaced"
+            ],
+        }
+
+    def explain(self, model: str) -> dict[str, Any] | None:
+        profiles = self.catalog.of_model(model)
+        known = {r.profile for r in self.state.replicas.values() if r.model == model}
+        if not profiles and not known:
+            return None
+        now = time.monotonic()
+        out = []
+        for name in [p.name for p in profiles] + sorted(known - {p.name for p in profiles}):
+            spec = self.catalog.get(model, name)
+            out.append(
+                {
+                    "profile": name,
+                    "wanted": spec.replicas if spec is not None else 0,
+                    "replicas": [
+                        self._replica_status(r, now)
+                        for r in sorted(self.state.replicas.values(), key=lambda r: r.replica_id)
+                        if r.model == model and r.profile == name
+                    ],
+                }
+            )
+        return {"model": model, "profiles": out}
+
+    def _node_status(self, n: Node) -> dict[str, Any]:
+        used = {
+            i
+            for r in self.state.replicas.values()
+            for p in r.shards
+            if p.node_id == n.node_id
+            for i in p.gpu_indices
+        }
+        return {
+            "node_id": n.node_id,
+            "state": n.state.value,
+            "connected": n.connected,
+            "address": n.address(self.settings.mgmt_interface),
+            "agent_version": n.agent_version,
+            "simulated": n.simulated,
+            "labels": n.labels,
+            "last_heartbeat": _iso(n.last_heartbeat_at),
+            "registered": _iso(n.registered_at),
+            "gpus": [
+                {
+                    "index": g.index,
+                    "name": g.name,
+                    "memory_bytes": g.memory_bytes,
+                    "in_use": g.index in used,
+                    "memory_used_bytes": n.gpu_usage.get(g.index, (0, 0))[0],
+                    "utilization_percent": n.gpu_usage.get(g.index, (0, 0))[1],
+                }
+                for g in n.gpus
+            ],
+            "shards": len([s for s in n.shards.values() if s.running]),
+        }
+
+    def _replica_status(self, r: Replica, now: float) -> dict[str, Any]:
+        shards = []
+        for p in r.shards:
+            node = self.inventory.nodes.get(p.node_id)
+            report = node.shards.get(p.shard_id) if node is not None else None
+            shards.append(
+                {
+                    "shard_id": p.shard_id,
+                    "node_id": p.node_id,
+                    "rank": p.rank,
+                    "gpu_indices": list(p.gpu_indices),
+                    "port": p.port,
+                    "state": v1.ShardState(report.state).name.lower() if report else "unknown",
+                    "pid": report.pid if report else 0,
+                }
+            )
+        leader = r.shards[0] if r.shards else None
+        return {
+            "replica_id": r.replica_id,
+            "model": r.model,
+            "profile": r.profile,
+            "state": replica_state(r, self.inventory.nodes, now),
+            "adopted": r.adopted,
+            "nodes": [p.node_id for p in r.shards],
+            "endpoint": f"http://{host_for_url(leader.address)}:{leader.port}" if leader else None,
+            "shards": shards,
+            "failures": r.failures,
+            "retry_in": round(max(r.retry_at - now, 0.0), 3),
+            "last_error": r.last_error,
+            "output_tail": r.last_output_tail,
+            "explanation": r.explanation,
+        }

@@ -1,0 +1,93 @@
+"""EndpointService.Watch: the ready replicas' leader endpoints, as versioned snapshots.
+
+A subscriber gets the whole snapshot at once, then again after every change; a
+subscriber that falls behind gets only the newest (snapshots replace each other).
+Versions start from the wall clock in milliseconds so a restarted control plane
+never goes back below what a router already holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpclib.const
+import grpclib.server
+import structlog
+from llmgw_proto import v1
+
+from llmgw_control.metrics import Metrics
+
+__all__ = ["Publisher"]
+
+log = structlog.get_logger(__name__)
+
+
+class Publisher:
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.version = int(time.time() * 1000)
+        self.endpoints: tuple[v1.Endpoint, ...] = ()
+        self._key: tuple[bytes, ...] = ()
+        self._subscribers: set[asyncio.Event] = set()
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.publish_version.set(self.version)
+
+    def snapshot(self) -> v1.EndpointSnapshot:
+        return v1.EndpointSnapshot(version=self.version, endpoints=list(self.endpoints))
+
+    def update(self, endpoints: Sequence[v1.Endpoint]) -> bool:
+        """Publish ``endpoints`` if they differ from the current set; True if they did."""
+        ordered = tuple(sorted(endpoints, key=lambda e: e.id))
+        key = tuple(bytes(e) for e in ordered)
+        if key == self._key:
+            return False
+        self._key = key
+        self.endpoints = ordered
+        self.version = max(self.version + 1, int(time.time() * 1000))
+        for event in self._subscribers:
+            event.set()
+        if self._metrics is not None:
+            self._metrics.publish_version.set(self.version)
+            self._metrics.published.set(len(ordered))
+        log.info("endpoints published", version=self.version, endpoints=len(ordered))
+        return True
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            "/llmgw.v1.EndpointService/Watch": grpclib.const.Handler(
+                self.watch,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                v1.WatchRequest,
+                v1.EndpointSnapshot,
+            )
+        }
+
+    async def watch(
+        self, stream: grpclib.server.Stream[v1.WatchRequest, v1.EndpointSnapshot]
+    ) -> None:
+        request = await stream.recv_message()
+        router_id = request.router_id if request is not None else ""
+        changed = asyncio.Event()
+        self._subscribers.add(changed)
+        if self._metrics is not None:
+            self._metrics.watchers.inc()
+        log.info(
+            "router subscribed",
+            router_id=router_id,
+            known_version=request and request.known_version,
+        )
+        try:
+            sent = -1
+            while True:
+                changed.clear()
+                if self.version != sent:
+                    sent = self.version
+                    await stream.send_message(self.snapshot())
+                await changed.wait()
+        finally:
+            self._subscribers.discard(changed)
+            if self._metrics is not None:
+                self._metrics.watchers.dec()
+            log.info("router unsubscribed", router_id=router_id)
