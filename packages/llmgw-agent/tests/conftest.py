@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
+from llmgw_agent.config import AgentConfig
 from llmgw_proto import v1
+from llmgw_proto.config import convert
 
 
 @dataclass
@@ -130,25 +136,24 @@ def make_start(**overrides: Any) -> v1.StartShard:
     return v1.StartShard(**fields)
 
 
-# A stand-in engine, used until (and besides) the simulator: it serves /health
-# (503 for --sim-load seconds, then 200) and /metrics, prints its argv, and
-# exits with --sim-exit CODE after --sim-exit-after seconds.
+# A stand-in engine (the simulator's understudy): it prints its argv, serves
+# /health (503 for SIM_LOAD seconds, then 200) and /metrics (running requests read
+# from the file SIM_RUNNING_FILE), and exits with SIM_EXIT after SIM_EXIT_AFTER
+# seconds. Knobs come through the environment so the argv stays a real engine's.
 FAKE_ENGINE = textwrap.dedent(
     r"""
     import http.server, os, signal, sys, threading, time
     args = sys.argv[1:]
-    def opt(name, default):
-        return type(default)(args[args.index(name) + 1]) if name in args else default
-    port = opt("--port", 0)
-    load = opt("--sim-load", 0.0)
-    exit_after = opt("--sim-exit-after", -1.0)
-    exit_code = opt("--sim-exit", 0)
-    running_file = opt("--sim-running-file", "")
-    ignore_term = "--sim-ignore-term" in args
+    env = os.environ.get
+    port = int(args[args.index("--port") + 1]) if "--port" in args else 0
+    load = float(env("SIM_LOAD", "0"))
+    exit_after = float(env("SIM_EXIT_AFTER", "-1"))
+    exit_code = int(env("SIM_EXIT", "0"))
+    running_file = env("SIM_RUNNING_FILE", "")
     t0 = time.monotonic()
     print("fake engine argv:", " ".join(args), flush=True)
-    print("CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"), flush=True)
-    if ignore_term:
+    print("CUDA_VISIBLE_DEVICES=" + env("CUDA_VISIBLE_DEVICES", "<unset>"), flush=True)
+    if env("SIM_IGNORE_TERM"):
         signal.signal(signal.SIGTERM, lambda *a: print("ignoring SIGTERM", flush=True))
     else:
         signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), os._exit(0)))
@@ -159,8 +164,10 @@ FAKE_ENGINE = textwrap.dedent(
                 code = 200 if time.monotonic() - t0 >= load else 503
                 body = b"ok" if code == 200 else b"loading"
             elif self.path == "/metrics":
-                n = open(running_file).read().strip() if running_file and os.path.exists(running_file) else "0"
-                code, body = 200, ("vllm:num_requests_running{model_name=\"m\"} %s\n" % n).encode()
+                n = "0"
+                if running_file and os.path.exists(running_file):
+                    n = open(running_file).read().strip() or "0"
+                code, body = 200, ('vllm:num_requests_running{model_name="m"} %s\n' % n).encode()
             else:
                 code, body = 404, b"no"
             self.send_response(code); self.send_header("Content-Length", str(len(body)))
@@ -199,3 +206,44 @@ class Kit:
 @pytest.fixture
 def kit() -> Kit:
     return Kit(FakeNvml=FakeNvml, FakeGpu=FakeGpu, make_start=make_start)
+
+
+def agent_yaml(tmp_path: Path, engine: list[str], **extra: Any) -> dict[str, Any]:
+    """agent.yaml content (as data) for a simulated node whose engines are ``engine``."""
+    data: dict[str, Any] = {
+        "node_id": "node-a",
+        "control": {"tls": {"insecure": True}},
+        "labels": {"fabric.nvlink-domain": "nvl-1"},
+        "simulate_gpus": {"count": 4, "name": "NVIDIA H200", "memory": "141GiB"},
+        "engine_host": "127.0.0.1",
+        "engines": {name: {"command": engine} for name in ("vllm", "sglang", "llamacpp")},
+        "state_dir": str(tmp_path / "state"),
+        "stop_grace": "3s",
+        "health_interval": "100ms",
+        "drain_poll_interval": "100ms",
+        "base_backoff": "100ms",
+        "max_backoff": "1s",
+    }
+    data.update(extra)
+    return data
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, fake_engine: list[str]) -> Callable[..., AgentConfig]:
+    def make(**extra: Any) -> AgentConfig:
+        return convert(agent_yaml(tmp_path, fake_engine, **extra), AgentConfig, source="agent.yaml")
+
+    return make
+
+
+@pytest.fixture
+def reap(tmp_path: Path) -> Iterator[list[int]]:
+    """Process groups to kill when the test ends, pass or fail; recorded engines too."""
+    pids: list[int] = []
+    yield pids
+    for record_path in (tmp_path / "state" / "shards").glob("*.json"):
+        with contextlib.suppress(Exception):
+            pids.append(int(json.loads(record_path.read_text())["pid"]))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)

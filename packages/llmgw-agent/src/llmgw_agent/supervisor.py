@@ -183,6 +183,8 @@ class Engine:
     lifecycle: asyncio.Task[None] | None = None
     exit_code: int | None = None
     exit_signal: int | None = None
+    # Where following the output file starts (an adopted engine's file has history).
+    output_offset: int = 0
 
     @property
     def shard_id(self) -> str:
@@ -364,6 +366,7 @@ class Supervisor:
                 adopted=True,
                 output=deque(maxlen=self.config.output_buffer_lines),
             )
+            engine.output_offset = _refill(engine, Path(record.output_path))
             self.engines[record.shard_id] = engine
             engine.lifecycle = asyncio.create_task(
                 self._run(engine), name=f"shard {record.shard_id}"
@@ -440,7 +443,7 @@ class Supervisor:
             health_url=launch.health_url,
             metrics_url=launch.metrics_url,
             headless=launch.headless,
-            load_timeout=timeout,
+            load_timeout=float(timeout),
             state=S.STARTING.name,
             output_path=str(output_path),
             start_shard=base64.b64encode(bytes(start)).decode(),
@@ -652,9 +655,7 @@ class Supervisor:
     async def _tail_output(self, engine: Engine) -> None:
         """Follow the engine's output file into the ring buffer and the agent's log."""
         path = Path(engine.record.output_path)
-        offset = 0
-        if engine.adopted:
-            offset = _refill(engine, path)
+        offset = engine.output_offset
         partial = b""
         try:
             while True:
