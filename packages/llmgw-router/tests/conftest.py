@@ -11,19 +11,10 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import httpx
-import pytest
-import yaml
-from llmgw_testkit import Proc, free_port, http_get, wait_for
-
-ROUTER = str(Path(sys.executable).parent / "llmgw-router")
-SIM = str(Path(sys.executable).parent / "llmgw-sim")
-
 
 # ---------------------------------------------------------------- the upstream script
 
@@ -194,6 +185,15 @@ if __name__ == "__main__":
     _upstream_main(sys.argv[1:])
     raise SystemExit(0)
 
+# Imported only under pytest: the upstream script starts faster without them.
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+from llmgw_testkit import Proc, free_port, http_get, wait_for  # noqa: E402
+
+ROUTER = str(Path(sys.executable).parent / "llmgw-router")
+SIM = str(Path(sys.executable).parent / "llmgw-sim")
+
 
 # ---------------------------------------------------------------- fixtures
 
@@ -213,6 +213,10 @@ class Upstream:
 
     def script(self, **settings: Any) -> None:
         httpx.post(self.url + "/script", json=settings, timeout=5).raise_for_status()
+
+    def entry(self, models: list[str], **extra: Any) -> dict[str, Any]:
+        """This upstream as an item of the router config's `endpoints:`."""
+        return {"id": self.id, "url": self.url, "models": models, **extra}
 
 
 @dataclass
@@ -238,22 +242,32 @@ class Router:
         return httpx.get(self.admin + "/metrics", timeout=5).text
 
 
-def start_upstream(tmp_path: Path, ident: str, models: list[str], *extra: str) -> Upstream:
+def launch_upstream(tmp_path: Path, ident: str, models: list[str], *extra: str) -> Upstream:
+    """Start an upstream without waiting for it (see :func:`wait_up`)."""
     port = free_port()
     argv = [sys.executable, __file__, "--port", str(port), "--id", ident, *extra]
     for model in models:
         argv += ["--model", model]
-    proc = Proc(argv, log_dir=tmp_path, name=f"upstream-{ident}")
-    try:
+    return Upstream(ident, port, Proc(argv, log_dir=tmp_path, name=f"upstream-{ident}"))
+
+
+def wait_up(*ups: Upstream) -> None:
+    for up in ups:
         wait_for(
-            lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
+            lambda up=up: http_get(up.url + "/health")[0] == 200,  # type: ignore[misc]
             timeout=30,
-            what=f"upstream {ident}",
+            what=f"upstream {up.id}",
         )
+
+
+def start_upstream(tmp_path: Path, ident: str, models: list[str], *extra: str) -> Upstream:
+    up = launch_upstream(tmp_path, ident, models, *extra)
+    try:
+        wait_up(up)
     except BaseException:
-        proc.stop()
+        up.proc.stop()
         raise
-    return Upstream(ident, port, proc)
+    return up
 
 
 def start_router(
@@ -284,37 +298,94 @@ def start_router(
     return router
 
 
-def endpoint_entry(up: Upstream, models: list[str], **extra: Any) -> dict[str, Any]:
-    return {"id": up.id, "url": up.url, "models": models, **extra}
-
-
 @pytest.fixture
-def upstreams(tmp_path: Path) -> Iterator[list[Upstream]]:
-    """Two upstreams serving `m1` (and `m2` on the first)."""
+def spawn_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
+    """Start upstreams: ``spawn_upstream(id, [models], *flags)``; all stopped at the end."""
     started: list[Upstream] = []
+
+    def spawn(ident: str, models: list[str], *extra: str) -> Upstream:
+        up = start_upstream(tmp_path, ident, models, *extra)
+        started.append(up)
+        return up
+
     try:
-        started.append(start_upstream(tmp_path, "e1", ["m1", "m2"]))
-        started.append(start_upstream(tmp_path, "e2", ["m1"]))
-        yield started
+        yield spawn
     finally:
         for up in started:
             up.proc.stop()
 
 
 @pytest.fixture
-def router(tmp_path: Path, upstreams: list[Upstream]) -> Iterator[Router]:
-    e1, e2 = upstreams
-    r = start_router(
-        tmp_path,
-        {
-            "endpoints": [
-                endpoint_entry(e1, ["m1", "m2"], profile="fast"),
-                endpoint_entry(e2, ["m1"], profile="cheap"),
-            ],
-            "health_checks": {"interval": "200ms"},
-        },
-    )
+def spawn_router(tmp_path: Path) -> Iterator[Callable[..., Router]]:
+    """Start routers: ``spawn_router(config_dict, *flags, wait_ready=True)``."""
+    started: list[Router] = []
+
+    def spawn(config: dict[str, Any], *flags: str, wait_ready: bool = True) -> Router:
+        r = start_router(tmp_path, config, *flags, wait_ready=wait_ready)
+        started.append(r)
+        return r
+
     try:
-        yield r
+        yield spawn
     finally:
-        r.proc.stop()
+        for r in started:
+            r.proc.stop()
+
+
+def _reset(ups: list[Upstream]) -> None:
+    for up in ups:
+        if up.proc.alive():
+            up.script(status=500, count=0, healthy=True, delay=None)
+
+
+@pytest.fixture(scope="module")
+def _shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Upstream], Router]]:
+    tmp = tmp_path_factory.mktemp("shared")
+    ups = [launch_upstream(tmp, "e1", ["m1", "m2"]), launch_upstream(tmp, "e2", ["m1"])]
+    try:
+        wait_up(*ups)
+        e1, e2 = ups
+        r = start_router(
+            tmp,
+            {
+                "endpoints": [
+                    e1.entry(["m1", "m2"], profile="fast"),
+                    e2.entry(["m1"], profile="cheap"),
+                ],
+                "health_checks": {"interval": "200ms"},
+                "max_body_bytes": 1_000_000,
+            },
+        )
+        try:
+            yield ups, r
+        finally:
+            r.proc.stop()
+    finally:
+        for up in ups:
+            up.proc.stop()
+
+
+@pytest.fixture
+def upstreams(_shared: tuple[list[Upstream], Router]) -> Iterator[list[Upstream]]:
+    """Two upstreams shared by a test module: `e1` serves `m1` and `m2`, `e2` serves `m1`.
+
+    Scripted failures and delays are undone after each test.
+    """
+    ups = _shared[0]
+    _reset(ups)
+    try:
+        yield ups
+    finally:
+        _reset(ups)
+
+
+@pytest.fixture
+def router(_shared: tuple[list[Upstream], Router], upstreams: list[Upstream]) -> Router:
+    """A router over `upstreams`: e1 in profile `fast`, e2 in profile `cheap`."""
+    r = _shared[1]
+    assert r.proc.alive(), r.proc.tail()
+    wait_for(
+        lambda: all(ep["state"] == "ready" for ep in r.endpoints()["endpoints"]),
+        what="both endpoints ready",
+    )
+    return r

@@ -83,6 +83,13 @@ def serve(
         elif admin_listen and "$.admin_listen" in message:
             message = f"--admin-listen: {err.message}"
         fail(message)
+    if cfg.control is not None:
+        from llmgw_router.watch import control_ssl
+
+        try:
+            control_ssl(cfg.control, insecure)
+        except ValueError as err:
+            fail(f"{source}: {err}")
     if not cfg.endpoints and cfg.control is None:
         fail(
             f"{source}: no endpoints: give `endpoints:` or `control:` in the config, or --endpoint"

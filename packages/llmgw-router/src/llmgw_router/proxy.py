@@ -457,15 +457,17 @@ class ProxyApp:
         while True:
             usable = _usable_at(now)
             if tried:
-                # A retry: from the current set (a snapshot may have come), not yet tried,
-                # in the same profiles as the first choice when any is left there.
-                tried_ids = {t.id for t in tried}
-                fresh = [
-                    ep for ep in state.endpoints.for_model(model) or () if ep.id not in tried_ids
-                ]
+                # A retry: from the current set (a snapshot may have come), in the same
+                # profiles as the first choice when any is left there; an endpoint not
+                # tried yet first, else any but the one that just failed.
+                current = state.endpoints.for_model(model) or ()
                 profiles = {ep.spec.profile for ep in candidates}
-                pool = [ep for ep in fresh if ep.spec.profile in profiles] or fresh
-                ep = state.balancer.pick(pool, usable, key)
+                pool = [ep for ep in current if ep.spec.profile in profiles] or list(current)
+                tried_ids = {t.id for t in tried}
+                ep = state.balancer.pick([e for e in pool if e.id not in tried_ids], usable, key)
+                if ep is None:
+                    last_id = tried[-1].id
+                    ep = state.balancer.pick([e for e in pool if e.id != last_id], usable, key)
             else:
                 ep = state.balancer.pick(candidates, usable, key)
             if ep is None:

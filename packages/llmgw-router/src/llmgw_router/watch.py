@@ -24,7 +24,7 @@ from llmgw_router.config import ControlConfig
 from llmgw_router.endpoints import EndpointSpec
 from llmgw_router.proxy import RouterState
 
-__all__ = ["EndpointWatcher", "spec_from_wire"]
+__all__ = ["EndpointWatcher", "control_ssl", "spec_from_wire"]
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +44,22 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
     )
 
 
+def control_ssl(control: ControlConfig, insecure: bool) -> ssl.SSLContext | None:
+    """The mTLS client context for the control plane; None for plaintext.
+
+    Raises ValueError naming the config field when a file cannot be used.
+    """
+    tls = control.tls
+    if insecure or tls.insecure:
+        return None
+    if not (tls.cert and tls.key and tls.ca):
+        raise ValueError("control.tls: cert, key and ca are required unless insecure")
+    try:
+        return client_context(Path(tls.cert), Path(tls.key), Path(tls.ca))
+    except (OSError, ssl.SSLError) as err:
+        raise ValueError(f"control.tls: cannot load cert/key/ca: {err}") from None
+
+
 class EndpointWatcher:
     def __init__(
         self,
@@ -58,11 +74,7 @@ class EndpointWatcher:
         self.control = control
         self.router_id = router_id
         self.static = static
-        self.ssl: ssl.SSLContext | None = None
-        tls = control.tls
-        if not (insecure or tls.insecure):
-            assert tls.cert and tls.key and tls.ca  # checked by config.validate
-            self.ssl = client_context(Path(tls.cert), Path(tls.key), Path(tls.ca))
+        self.ssl = control_ssl(control, insecure)
         host, _, port = control.address.rpartition(":")
         self.host = host
         self.port = int(port)

@@ -1,0 +1,357 @@
+"""The proxy end to end: real upstream processes, a real router process, real clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from llmgw_testkit import free_port, wait_for, wait_for_async
+
+# Fixtures from conftest.py; their classes cannot be imported under --import-mode=importlib.
+Router = Any
+Upstream = Any
+Spawn = Callable[..., Any]
+
+
+def client(router: Router, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _async_true(condition: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return condition()
+
+    return check
+
+
+def metric(text: str, series: str) -> float:
+    """The value of one series (name and labels exactly as exposed); 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+TOKENS_M1 = 'llmgw_router_tokens_total{kind="completion",model="m1"}'
+
+
+def test_openai_client_chat_completions_embeddings_and_models(router: Router) -> None:
+    before = metric(router.metrics(), TOKENS_M1)
+    c = client(router)
+    reply = c.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert reply.choices[0].message.content == "tok tok tok tok "
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 4
+    text = c.completions.create(model="m2", prompt="hi", max_tokens=2)
+    assert text.choices[0].text == "tok tok "
+    assert text.system_fingerprint == "e1", "m2 is served by e1 only"
+    emb = c.embeddings.create(model="m1", input="hi")
+    assert emb.data[0].embedding == [0.1, 0.2, 0.3]
+    assert sorted(m.id for m in c.models.list()) == ["m1", "m2"]
+    metrics = router.metrics()
+    assert metric(metrics, TOKENS_M1) == before + 4
+    assert 'llmgw_router_time_to_first_token_seconds_count{model="m1"}' in metrics
+
+
+def test_streaming_with_usage_through_openai_client(router: Router) -> None:
+    before = metric(router.metrics(), TOKENS_M1)
+    stream = client(router).chat.completions.create(
+        model="m1",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = [c.choices[0].delta.content for c in chunks if c.choices]
+    assert content == [f"t{i} " for i in range(20)]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+    metrics = router.metrics()
+    assert metric(metrics, TOKENS_M1) == before + 20
+    assert 'llmgw_router_inter_chunk_gap_seconds_count{model="m1"}' in metrics
+
+
+def test_stream_is_relayed_before_the_engine_finishes(
+    router: Router, upstreams: list[Upstream]
+) -> None:
+    for up in upstreams:
+        up.script(delay=0.05)
+    body = {"model": "m1", "stream": True, "max_tokens": 60, "messages": []}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["delta"]["content"] == "t0 "
+        # The first chunk is here while the engine still generates: nothing was buffered.
+        served = next(up for up in upstreams if up.id == resp.headers["x-upstream-id"])
+        assert served.stats()["in_flight"] == 1
+        rest = list(lines)
+    events = [first[6:], *sse_events("\n".join(rest))]
+    assert events[-1] == "[DONE]"
+    assert len(events) == 61
+
+
+def test_errors_are_openai_shaped(router: Router) -> None:
+    url = router.url + "/v1/chat/completions"
+
+    def error(resp: httpx.Response) -> dict[str, object]:
+        detail = resp.json()["error"]
+        assert set(detail) == {"message", "type", "param", "code"}
+        return dict(detail)
+
+    r = httpx.post(url, json={"model": "nope", "messages": []})
+    assert r.status_code == 404
+    assert error(r)["code"] == "model_not_found"
+    r = httpx.post(url, content=b"{not json")
+    assert r.status_code == 400
+    assert error(r)["code"] == "invalid_json"
+    r = httpx.post(url, json={"messages": []})
+    assert r.status_code == 400
+    assert error(r)["param"] == "model"
+    r = httpx.post(url, json=["model", "m1"])
+    assert r.status_code == 400
+    assert "JSON object" in str(error(r)["message"])
+    r = httpx.post(url, json={"model": 7})
+    assert r.status_code == 400
+    assert error(r)["param"] == "model"
+    r = httpx.post(url, json={"model": "m1", "messages": [], "pad": "x" * (2 * 1024 * 1024)})
+    assert r.status_code == 413
+    assert error(r)["code"] == "request_too_large"
+    r = httpx.get(url)
+    assert r.status_code == 405
+    r = httpx.get(router.url + "/v2/other")
+    assert r.status_code == 404
+    error(r)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(router).chat.completions.create(model="nope", messages=[])
+
+
+def test_profile_pinning_and_unknown_profile(router: Router) -> None:
+    url = router.url + "/v1/chat/completions"
+    body = {"model": "m1", "messages": []}
+    for profile, upstream in (("fast", "e1"), ("cheap", "e2")):
+        served = {
+            httpx.post(url, json=body, headers={"x-llmgw-profile": profile}).headers[
+                "x-upstream-id"
+            ]
+            for _ in range(10)
+        }
+        assert served == {upstream}
+    r = httpx.post(url, json=body, headers={"x-llmgw-profile": "huge"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "profile_not_found"
+
+
+def test_default_profile_is_preferred(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
+    e1, e2 = upstreams
+    cfg = {
+        "default_profile": "cheap",
+        "endpoints": [e1.entry(["m1"], profile="fast"), e2.entry(["m1"], profile="cheap")],
+        "health_checks": {"interval": "200ms"},
+    }
+    router = spawn_router(cfg)
+    url = router.url + "/v1/chat/completions"
+    served = {httpx.post(url, json={"model": "m1"}).headers["x-upstream-id"] for _ in range(10)}
+    assert served == {"e2"}
+    # Without a usable endpoint in the default profile, the others serve.
+    e2.script(healthy=False)
+    wait_for(
+        lambda: router.endpoints()["endpoints"][1]["state"] == "unhealthy", what="e2 unhealthy"
+    )
+    assert httpx.post(url, json={"model": "m1"}).headers["x-upstream-id"] == "e1"
+
+
+def test_api_keys(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
+    e1, _ = upstreams
+    router = spawn_router({"api_keys": ["sk-one", "sk-two"], "endpoints": [e1.entry(["m1"])]})
+    with router.proc:
+        url = router.url + "/v1/chat/completions"
+        r = httpx.post(url, json={"model": "m1"})
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert (
+            httpx.post(
+                url, json={"model": "m1"}, headers={"authorization": "Bearer sk-bad"}
+            ).status_code
+            == 401
+        )
+        assert httpx.get(router.url + "/v1/models").status_code == 401
+        reply = client(router, "sk-two").chat.completions.create(model="m1", messages=[])
+        assert reply.system_fingerprint == "e1"
+        with pytest.raises(openai.AuthenticationError):
+            client(router, "sk-three").chat.completions.create(model="m1", messages=[])
+
+
+def test_no_usable_endpoint_is_503_with_retry_after(
+    router: Router, upstreams: list[Upstream]
+) -> None:
+    e1, _ = upstreams
+    e1.script(healthy=False)
+    wait_for(
+        lambda: router.endpoints()["endpoints"][0]["state"] == "unhealthy", what="e1 unhealthy"
+    )
+    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m2", "messages": []})
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "no_usable_endpoint"
+    assert [m["id"] for m in httpx.get(router.url + "/v1/models").json()["data"]] == ["m1"]
+    e1.script(healthy=True)
+    wait_for(lambda: router.endpoints()["endpoints"][0]["state"] == "ready", what="e1 ready again")
+    assert httpx.post(router.url + "/v1/chat/completions", json={"model": "m2"}).status_code == 200
+
+
+def test_retries_on_5xx_hangs_and_connect_errors(
+    spawn_router: Spawn, upstreams: list[Upstream]
+) -> None:
+    e1, e2 = upstreams
+    dead = free_port()
+    cfg = {
+        "endpoints": [
+            e1.entry(["m1"]),
+            e2.entry(["m1"]),
+            {"id": "dead", "url": f"http://127.0.0.1:{dead}", "models": ["m1"]},
+        ],
+        "deadlines": {"first_byte": "1s"},
+        "retries": {"max_retries": 3},
+        "ejection": {"consecutive_failures": 2, "base_time": "30s"},
+        "health_checks": {"enabled": False},
+    }
+    router = spawn_router(cfg)
+    with router.proc:
+        e1.script(status=500, count=1)
+        e2.script(status=0, count=1)  # hangs past the first-byte deadline once
+        url = router.url + "/v1/chat/completions"
+        results = [
+            httpx.post(url, json={"model": "m1", "messages": []}, timeout=30) for _ in range(30)
+        ]
+        assert [r.status_code for r in results] == [200] * 30
+        assert {r.headers["x-upstream-id"] for r in results} <= {"e1", "e2"}
+        states = {ep["id"]: ep for ep in router.endpoints()["endpoints"]}
+        assert states["dead"]["state"] == "ejected"
+        metrics = router.metrics()
+        assert 'llmgw_router_upstream_errors_total{endpoint="dead",reason="connect"}' in metrics
+        assert (
+            'llmgw_router_upstream_errors_total{endpoint="e1",reason="status_5xx"} 1.0' in metrics
+        )
+        assert (
+            'llmgw_router_upstream_errors_total{endpoint="e2",reason="timeout_first_byte"} 1.0'
+            in metrics
+        )
+        assert 'llmgw_router_ejections_total{endpoint="dead"} 1.0' in metrics
+        assert "llmgw_router_retries_total" in metrics
+
+
+def test_5xx_passed_on_when_no_retry_is_left(
+    spawn_router: Spawn, upstreams: list[Upstream]
+) -> None:
+    e1, _ = upstreams
+    router = spawn_router({"endpoints": [e1.entry(["m1"])], "health_checks": {"enabled": False}})
+    with router.proc:
+        e1.script(status=503, count=5)
+        r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "scripted failure"
+
+
+async def test_kill_one_engine_under_load(spawn_upstream: Spawn, spawn_router: Spawn) -> None:
+    """No request fails unless it had started streaming; those end with an error event."""
+    ups = [spawn_upstream(f"k{i}", ["m1"], "--chunk-delay", "0.01") for i in range(2)]
+    router = spawn_router(
+        {
+            "endpoints": [up.entry(["m1"]) for up in ups],
+            "ejection": {"consecutive_failures": 1},
+            "retries": {"max_retries": 2},
+        },
+    )
+    outcomes: list[str] = []
+
+    async def one(http: httpx.AsyncClient) -> None:
+        body = {"model": "m1", "stream": True, "max_tokens": 30, "messages": []}
+        async with http.stream("POST", router.url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                outcomes.append(f"status {resp.status_code}")
+                return
+            text = (await resp.aread()).decode()
+        events = sse_events(text)
+        if events[-1] != "[DONE]":
+            outcomes.append("truncated")
+        elif any('"upstream_error"' in e for e in events):
+            outcomes.append("cut")
+        else:
+            outcomes.append("ok")
+
+    async def worker(http: httpx.AsyncClient, n: int) -> None:
+        for _ in range(n):
+            await one(http)
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        workers = [asyncio.create_task(worker(http, 12)) for _ in range(8)]
+        await wait_for_async(
+            _async_true(lambda: len(outcomes) >= 16), timeout=60, what="16 requests done"
+        )
+        ups[0].proc.stop(signal.SIGKILL)
+        await asyncio.gather(*workers)
+    assert len(outcomes) == 96
+    assert set(outcomes) <= {"ok", "cut"}, outcomes
+    assert outcomes.count("ok") >= 80
+
+
+def test_client_disconnect_cancels_the_upstream_request(
+    router: Router, upstreams: list[Upstream]
+) -> None:
+    for up in upstreams:
+        up.script(delay=0.2)
+    before = {up.id: up.stats() for up in upstreams}
+    gone_before = metric(router.metrics(), 'llmgw_router_client_disconnects_total{model="m1"}')
+    body = {"model": "m1", "stream": True, "max_tokens": 200, "messages": []}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+        served = next(up for up in upstreams if up.id == resp.headers["x-upstream-id"])
+        next(resp.iter_lines())
+    # The client is gone after 1 of 200 chunks; the engine must hear of it long before the end.
+    start = before[served.id]
+    wait_for(
+        lambda: served.stats()["cancelled"] == start["cancelled"] + 1,
+        timeout=20,
+        what="upstream request cancelled",
+    )
+    assert served.stats()["completed"] == start["completed"]
+    series = 'llmgw_router_client_disconnects_total{model="m1"}'
+    wait_for(lambda: metric(router.metrics(), series) == gone_before + 1, what="disconnect counted")
+
+
+def test_sigterm_lets_streams_finish(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
+    e1, _ = upstreams
+    router = spawn_router({"endpoints": [e1.entry(["m1"])], "shutdown_grace": "20s"})
+    e1.script(delay=0.05)
+    try:
+        body = {"model": "m1", "stream": True, "max_tokens": 40, "messages": []}
+        with httpx.stream(
+            "POST", router.url + "/v1/chat/completions", json=body, timeout=30
+        ) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            router.proc.signal(signal.SIGTERM)
+            wait_for(lambda: "shutting down" in router.proc.output(), what="shutdown logged")
+            with pytest.raises(httpx.ConnectError):
+                httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+            events = sse_events("\n".join(lines))
+        assert events[-1] == "[DONE]"
+        assert not any("upstream_error" in e for e in events)
+        assert router.proc.wait(timeout=20) == 0
+        assert "router stopped" in router.proc.output()
+    finally:
+        router.proc.stop()
