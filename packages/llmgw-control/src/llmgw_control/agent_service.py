@@ -21,7 +21,7 @@ import grpclib.server
 import structlog
 from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
-from llmgw_proto.tls import peer_common_name
+from llmgw_proto.tls import peer_identity
 
 from llmgw_control.metrics import Metrics
 
@@ -161,11 +161,15 @@ class AgentService:
                 grpclib.const.Status.INVALID_ARGUMENT,
                 "the first message on an agent stream must be a Register with a node_id",
             )
-        cert_name = peer_common_name(stream.peer.cert() if stream.peer is not None else None)
-        if cert_name is not None and cert_name != register.node_id:
+        # With mTLS, a node may only speak for itself.
+        identity = peer_identity(stream.peer.cert() if stream.peer is not None else None)
+        if identity is not None and (
+            identity.name != register.node_id or identity.role not in ("", "node")
+        ):
             raise GRPCError(
                 grpclib.const.Status.PERMISSION_DENIED,
-                f"certificate is for {cert_name!r}, not node {register.node_id!r}",
+                f"certificate is for {identity.role or 'peer'} {identity.name!r}, "
+                f"not node {register.node_id!r}",
             )
         session = Session(register.node_id, secrets.token_hex(8), peer_host)
         older = self.sessions.get(session.node_id)
