@@ -164,14 +164,24 @@ _WORDS = [
 ]
 
 
+def _cycle() -> list[str]:
+    n = len(_WORDS)
+    # A step co-prime to len(_WORDS) visits every word before repeating, so the
+    # text looks less like a loop than the word list itself would.
+    step = 7 if n % 7 else 11
+    return [" " + _WORDS[(i * step) % n] for i in range(n)]
+
+
+_CYCLE = _cycle()
+
+
 def generate_tokens(count: int, seed: int) -> list[str]:
     """``count`` word tokens, the same for the same seed."""
-    n = len(_WORDS)
-    # A multiplicative step co-prime to len(_WORDS) walks the word list without
-    # the cost of a random generator per token.
-    step = 7 if n % 7 else 11
+    n = len(_CYCLE)
     start = seed % n
-    return [" " + _WORDS[(start + i * step) % n] for i in range(count)]
+    out = _CYCLE[start:] + _CYCLE * (count // n + 1)
+    del out[count:]
+    return out
 
 
 def echo_tokens(prompt_tokens: Sequence[str], count: int) -> list[str]:

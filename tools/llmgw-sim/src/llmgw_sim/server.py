@@ -615,31 +615,47 @@ class Api:
             )
         n = len(tokens)
         itl = eng.timing.itl
-        if n == 0:
-            parts.append(open_ + b'""' + end)
-        for i, tok in enumerate(tokens):
-            if stall_after is not None and i >= stall_after:
+        encoded = [_token_json(t) for t in tokens] or [b'""']
+        limit = n if stall_after is None else min(n, max(0, stall_after))
+        if n and (itl > 0 or limit < n):
+            # Paced (or stalling) stream: one write per token.
+            for i in range(limit):
+                parts.append(open_ + encoded[i] + (end if i == n - 1 else mid))
+                await resp.write(b"".join(parts))
+                parts.clear()
+                if i < n - 1 and itl > 0:
+                    await asyncio.sleep(itl)
+            if limit < n:
                 if parts:
                     await resp.write(b"".join(parts))
                 # Stalled: the connection stays open and silent until the client
                 # gives up or shutdown cancels us.
                 await asyncio.Event().wait()
-            parts.append(open_ + _enc(tok) + (end if i == n - 1 else mid))
-            if itl > 0:
-                await resp.write(b"".join(parts))
-                parts.clear()
-                if i < n - 1:
-                    await asyncio.sleep(itl)
+        else:
+            # No pacing: every event at once, built by one C-level join.
+            parts.append(open_ + (mid + open_).join(encoded) + end)
         if gen.include_usage:
             parts.append(
                 head[: -len(b'"choices":[')]
-                + b'"choices":[],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}}\n\n'
-                % (prompt_len, prompt_len + n, n)
+                + b'"choices":[],"usage":{"prompt_tokens":%d,"total_tokens":%d,'
+                b'"completion_tokens":%d}}\n\n' % (prompt_len, prompt_len + n, n)
             )
         parts.append(b"data: [DONE]\n\n")
-        await resp.write(b"".join(parts))
-        await resp.write_eof()
+        await resp.write_eof(b"".join(parts))
         return resp
+
+
+_TOKEN_JSON: dict[str, bytes] = {}
+
+
+def _token_json(token: str) -> bytes:
+    """JSON for a token, cached: generated text reuses a small vocabulary."""
+    cached = _TOKEN_JSON.get(token)
+    if cached is None:
+        cached = _enc(token)
+        if len(_TOKEN_JSON) < 65536:
+            _TOKEN_JSON[token] = cached
+    return cached
 
 
 def _embedding(item: str | list[int], dim: int) -> list[float]:
