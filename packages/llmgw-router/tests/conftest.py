@@ -181,8 +181,78 @@ def _upstream_main(argv: list[str]) -> None:
     )
 
 
+# ---------------------------------------------------------------- the control-plane script
+
+
+def _control_main(argv: list[str]) -> None:
+    """A scripted control plane: serves `EndpointService.Watch` on real gRPC.
+
+    It publishes the snapshot in ``--snapshot`` (JSON: version, endpoints) on subscribe
+    and again whenever the file changes, and prints each subscription.
+    """
+    import argparse
+
+    from grpclib.server import Server
+    from llmgw_proto.v1 import Endpoint, EndpointServiceBase, EndpointSnapshot, WatchRequest
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--snapshot", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    def read() -> tuple[str, EndpointSnapshot | None]:
+        try:
+            text = args.snapshot.read_text()
+        except FileNotFoundError:
+            return "", None
+        data = json.loads(text)
+        return text, EndpointSnapshot(
+            version=data["version"],
+            endpoints=[
+                Endpoint(
+                    id=ep["id"],
+                    url=ep["url"],
+                    served_model_names=ep["models"],
+                    model=ep["models"][0],
+                    profile=ep.get("profile", "default"),
+                    weight=ep.get("weight", 1),
+                    node_id=ep.get("node_id", ""),
+                    replica_id=ep.get("replica_id", ""),
+                    health_path="/health",
+                )
+                for ep in data["endpoints"]
+            ],
+        )
+
+    class Scripted(EndpointServiceBase):
+        async def watch(self, message: WatchRequest) -> Any:
+            print(
+                f"subscribed router_id={message.router_id} known_version={message.known_version}",
+                flush=True,
+            )
+            sent = ""
+            while True:
+                text, snapshot = read()
+                if snapshot is not None and text != sent:
+                    sent = text
+                    print(f"published version={snapshot.version}", flush=True)
+                    yield snapshot
+                await asyncio.sleep(0.05)
+
+    async def serve() -> None:
+        server = Server([Scripted()])
+        await server.start("127.0.0.1", args.port)
+        print(f"control on {args.port}", flush=True)
+        await server.wait_closed()
+
+    asyncio.run(serve())
+
+
 if __name__ == "__main__":
-    _upstream_main(sys.argv[1:])
+    if sys.argv[1:2] == ["control"]:
+        _control_main(sys.argv[2:])
+    else:
+        _upstream_main(sys.argv[1:])
     raise SystemExit(0)
 
 # Imported only under pytest: the upstream script starts faster without them.
@@ -330,6 +400,53 @@ def spawn_router(tmp_path: Path) -> Iterator[Callable[..., Router]]:
     finally:
         for r in started:
             r.proc.stop()
+
+
+@dataclass
+class Control:
+    """The scripted control plane: write a snapshot, and it is published."""
+
+    port: int
+    snapshot_path: Path
+    tmp_path: Path
+    proc: Proc | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        argv = [sys.executable, __file__, "control", "--port", str(self.port)]
+        self.proc = Proc(
+            [*argv, "--snapshot", str(self.snapshot_path)], log_dir=self.tmp_path, name="control"
+        )
+        self.proc.wait_output(f"control on {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def publish(self, version: int, *ups: Upstream, model: str = "m1") -> None:
+        endpoints = [
+            {"id": f"{up.id}-replica", "url": up.url, "models": [model], "node_id": f"node-{up.id}"}
+            for up in ups
+        ]
+        tmp = self.snapshot_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": version, "endpoints": endpoints}))
+        tmp.replace(self.snapshot_path)
+
+    def output(self) -> str:
+        return self.proc.output() if self.proc is not None else ""
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> Iterator[Control]:
+    c = Control(free_port(), tmp_path / "snapshot.json", tmp_path)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 def _reset(ups: list[Upstream]) -> None:

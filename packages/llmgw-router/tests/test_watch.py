@@ -1,0 +1,122 @@
+"""Dynamic endpoints over a real gRPC stream from a scripted control plane.
+
+The control plane is written elsewhere; a small grpclib server (conftest.py, run as
+its own process) serves `EndpointService.Watch` from a snapshot file instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from llmgw_testkit import wait_for
+
+Router = Any
+Upstream = Any
+Control = Any
+Spawn = Callable[..., Any]
+
+
+def endpoint_ids(router: Router) -> set[str]:
+    return {ep["id"] for ep in router.endpoints()["endpoints"]}
+
+
+def watch_config(control: Control) -> dict[str, Any]:
+    return {
+        "control": {
+            "address": control.address,
+            "tls": {"insecure": True},
+            "router_id": "router-under-test",
+            "backoff_base": "100ms",
+            "backoff_cap": "500ms",
+        },
+        "health_checks": {"interval": "200ms"},
+    }
+
+
+async def test_snapshots_drive_the_endpoint_set(
+    spawn_router: Spawn, upstreams: list[Upstream], control: Control
+) -> None:
+    e1, e2 = upstreams
+    router = await asyncio.to_thread(spawn_router, watch_config(control), wait_ready=False)
+    async with httpx.AsyncClient(timeout=30) as http:
+        # Subscribed, nothing published yet: alive but not ready, and no model.
+        await asyncio.to_thread(
+            control.proc.wait_output, "subscribed router_id=router-under-test known_version=0"
+        )
+        assert (await http.get(router.admin + "/readyz")).status_code == 503
+        r = await http.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        assert r.status_code == 404
+
+        control.publish(1, e1)
+        await asyncio.to_thread(
+            wait_for,
+            lambda: httpx.get(router.admin + "/readyz").status_code == 200,
+            what="ready after the first snapshot",
+        )
+        r = await http.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        assert r.headers["x-upstream-id"] == "e1"
+        listing = (await http.get(router.admin + "/v1/endpoints")).json()
+        assert listing["version"] == 1
+        assert listing["endpoints"][0]["node_id"] == "node-e1"
+
+        # A change under load: streams in flight on e1 finish there, new ones go to e2.
+        for up in upstreams:
+            up.script(delay=0.02)
+        results: list[tuple[int, str, str]] = []
+
+        async def one() -> None:
+            body = {"model": "m1", "stream": True, "max_tokens": 25, "messages": []}
+            async with http.stream("POST", router.url + "/v1/chat/completions", json=body) as resp:
+                text = (await resp.aread()).decode()
+                results.append((resp.status_code, resp.headers.get("x-upstream-id", ""), text))
+
+        async def worker() -> None:
+            for _ in range(8):
+                await one()
+
+        workers = [asyncio.create_task(worker()) for _ in range(6)]
+        while len(results) < 6:
+            await asyncio.sleep(0.02)
+            assert not all(w.done() for w in workers)
+        control.publish(2, e2)
+        await asyncio.to_thread(
+            wait_for, lambda: endpoint_ids(router) == {"e2-replica"}, what="snapshot 2 applied"
+        )
+        switched_at = len(results)
+        await asyncio.gather(*workers)
+    assert len(results) == 48
+    for status, _, text in results:
+        assert status == 200
+        assert text.rstrip().endswith("data: [DONE]")
+        assert "upstream_error" not in text
+    # Requests that started after the swap could only go to e2.
+    assert {served for _, served, _ in results[switched_at + 6 :]} == {"e2"}
+
+
+def test_last_snapshot_survives_the_control_plane(
+    spawn_router: Spawn, upstreams: list[Upstream], control: Control
+) -> None:
+    e1, e2 = upstreams
+    control.publish(7, e2)
+    router = spawn_router(watch_config(control))
+    assert endpoint_ids(router) == {"e2-replica"}
+
+    control.stop()
+    wait_for(lambda: "control plane stream lost" in router.proc.output(), what="loss noticed")
+    for _ in range(5):
+        r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        assert r.status_code == 200
+        assert r.headers["x-upstream-id"] == "e2"
+    assert httpx.get(router.admin + "/readyz").status_code == 200
+
+    # A restarted control plane counts from 1 again; its first snapshot still wins.
+    control.publish(1, e1, e2)
+    control.start()
+    control.proc.wait_output("known_version=7")
+    wait_for(
+        lambda: endpoint_ids(router) == {"e1-replica", "e2-replica"},
+        what="snapshot from the restarted control plane",
+    )
