@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from llmgw_control.placement import (
     GpuSlot,
     NodeView,
     Placement,
+    Placer,
     Unplaceable,
     commit,
     place,
@@ -226,3 +228,23 @@ def test_no_gpu_or_port_is_given_twice(nodes: list[NodeView], wanted: list[Deman
             assert result.rendezvous_port not in taken_ports[result.leader.node_id]
             taken_ports[result.leader.node_id].add(result.rendezvous_port)
         commit(result, by_id)
+
+
+@settings(max_examples=100, deadline=None)
+@given(fleets(), st.lists(demands, min_size=1, max_size=8))
+def test_placer_index_chooses_what_place_chooses(
+    nodes: list[NodeView], wanted: list[Demand]
+) -> None:
+    reference = copy.deepcopy(nodes)
+    by_id = {n.node_id: n for n in reference}
+    placer = Placer(nodes, PORTS)
+    for demand in wanted:
+        fast = placer.place(demand)
+        slow = place(demand, reference, PORTS)
+        assert isinstance(fast, Placement) == isinstance(slow, Placement)
+        if isinstance(fast, Placement) and isinstance(slow, Placement):
+            assert fast.shards == slow.shards
+            assert fast.rendezvous_port == slow.rendezvous_port
+            commit(slow, by_id)
+        else:
+            assert fast == slow

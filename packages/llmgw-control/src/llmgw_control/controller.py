@@ -312,6 +312,25 @@ class Controller:
             ],
         }
 
+    def summary(self) -> dict[str, Any]:
+        """Counts only: cheap enough to poll during a reconnect storm."""
+        now = time.monotonic()
+        nodes: dict[str, int] = {}
+        for n in self.inventory.nodes.values():
+            nodes[n.state.value] = nodes.get(n.state.value, 0) + 1
+        replicas: dict[str, int] = {}
+        for r in self.state.replicas.values():
+            state = replica_state(r, self.inventory.nodes, now)
+            replicas[state] = replicas.get(state, 0) + 1
+        return {
+            "reconciles": self.state.passes,
+            "publish_version": self.publisher.version,
+            "streams": len(self.agents.sessions),
+            "nodes": nodes,
+            "replicas": replicas,
+            "adopted": sum(1 for r in self.state.replicas.values() if r.adopted),
+        }
+
     def explain(self, model: str) -> dict[str, Any] | None:
         profiles = self.catalog.of_model(model)
         known = {r.profile for r in self.state.replicas.values() if r.model == model}

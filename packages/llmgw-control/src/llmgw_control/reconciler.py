@@ -25,9 +25,8 @@ from llmgw_control.placement import (
     Demand,
     NodeView,
     Placement,
-    commit,
+    Placer,
     host_for_url,
-    place,
 )
 
 __all__ = [
@@ -453,16 +452,15 @@ class _Pass:
         )
         if not waiting:
             return
-        views = self._views()
+        placer = Placer(self._views().values(), self.s.port_range)
         for r in waiting:
             profile = self.catalog.get(r.model, r.profile)
             if profile is None:
                 continue
-            result = place(Demand.of(profile), views.values(), self.s.port_range)
+            result = placer.place(Demand.of(profile))
             if not isinstance(result, Placement):
                 r.explanation = result.explanation
                 continue
-            commit(result, views)
             r.size = profile.nodes
             r.rendezvous_port = result.rendezvous_port
             r.leader_address = result.leader_address

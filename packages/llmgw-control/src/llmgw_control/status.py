@@ -1,4 +1,4 @@
-"""The admin HTTP API: /healthz, /metrics, /v1/status, /v1/explain/{model}.
+"""The admin HTTP API: /healthz, /metrics, /v1/status, /v1/summary, /v1/explain/{model}.
 
 A few GET routes on loopback do not justify a web framework in the control
 plane's wheel: this is a small HTTP/1.1 responder on ``asyncio.start_server``,
@@ -26,6 +26,7 @@ _JSON = "application/json"
 
 class StatusSource(Protocol):
     def status(self) -> dict[str, Any]: ...
+    def summary(self) -> dict[str, Any]: ...
     def explain(self, model: str) -> dict[str, Any] | None: ...
 
 
@@ -55,6 +56,8 @@ class AdminServer:
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
         if path == "/v1/status":
             return 200, _JSON, msgspec.json.encode(self.source.status())
+        if path == "/v1/summary":
+            return 200, _JSON, msgspec.json.encode(self.source.summary())
         if path.startswith("/v1/explain/"):
             model = urllib.parse.unquote(path.removeprefix("/v1/explain/"))
             found = self.source.explain(model)

@@ -1,0 +1,527 @@
+"""The control plane under a simulated fleet: heartbeats, a reconnect storm, placement.
+
+    python tools/bench/bench_control.py                # 2,000 agents (the issue's targets)
+    python tools/bench/bench_control.py --agents 200 --window 10   # a quick look
+
+A real ``llmgw-control serve`` process, pinned to one core, faces many simulated
+agents from this one process (pinned to the other cores), each over its own real
+gRPC connection on 127.0.0.1. Every agent has one GPU and runs one shard.
+
+1. Heartbeats: every agent sends one every ``--heartbeat`` seconds; over a window,
+   heartbeats handled per second and the p99 of their lag (sent_at -> handled by
+   control), from the control plane's own histogram.
+2. Reconnect storm: control is restarted; agents reconnect with full-jitter backoff
+   (as the real agent does). Time from the new process starting until every node is
+   READY and every shard adopted, and the number of start/stop/drain commands sent
+   to adopted shards (target zero).
+3. Placement: 500 replicas over 1,000 nodes, in this process: the pure placement
+   function alone, and one whole reconcile pass that places them all.
+
+Each figure is printed beside its target from issue 5, with the ratio.
+Loopback only; bounded by --timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpclib.client
+import grpclib.const
+import msgspec
+import yaml
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from llmgw_control.catalog import ModelConfig, build_catalog
+from llmgw_control.inventory import Node
+from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer, commit, place
+from llmgw_control.reconciler import ControlState, Settings, reconcile
+from llmgw_proto import v1
+from llmgw_proto.backoff import Backoff
+
+CONNECT = "/llmgw.v1.AgentService/Connect"
+S = v1.ShardState
+GiB = 2**30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        body = resp.read()
+    return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
+
+
+# --- the control plane process --------------------------------------------------------
+
+
+class ControlProcess:
+    def __init__(self, workdir: Path, agents: int, heartbeat: float, core: int) -> None:
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.core = core
+        self.config = workdir / "control.yaml"
+        self.log = workdir / "control.log"
+        self.config.write_text(
+            yaml.safe_dump(
+                {
+                    "listen": f"127.0.0.1:{self.grpc_port}",
+                    "admin_listen": f"127.0.0.1:{self.admin_port}",
+                    "tls": {"insecure": True},
+                    "control": {
+                        "interval": "1s",
+                        "heartbeat_interval": f"{heartbeat}s",
+                        "unreachable_after": f"{max(10.0, heartbeat * 5)}s",
+                        "lost_after": "10m",
+                        "startup_grace": "10s",
+                        "mgmt_interface": "lo",
+                        "port_range": [20000, 20999],
+                    },
+                    "models": [
+                        {
+                            "name": "bench",
+                            "profiles": {
+                                "p": {"engine": "vllm", "gpus_per_node": 1, "replicas": agents}
+                            },
+                        }
+                    ],
+                }
+            )
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        started = time.monotonic()
+        core = self.core
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw_control", "serve", "--config", str(self.config),
+             "--log-level", "warning", "--log-format", "json"],
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if get(self.url("/healthz")) == "ok\n":
+                    return started
+            if self.proc.poll() is not None:
+                raise SystemExit(f"control exited: see {self.log}")
+            time.sleep(0.05)
+        raise SystemExit("control did not start within 60s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.proc = None
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.admin_port}{path}"
+
+    async def summary(self) -> dict[str, Any]:
+        return await asyncio.to_thread(get, self.url("/v1/summary"))
+
+    async def metrics(self) -> str:
+        return await asyncio.to_thread(get, self.url("/metrics"))
+
+
+# --- simulated agents -----------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    starts: int = 0
+    stops: int = 0
+    drains: int = 0
+
+
+@dataclass
+class SimAgent:
+    node_id: str
+    port: int
+    heartbeat: float
+    counters: Counters
+    running: dict[str, v1.RunningShard] = field(default_factory=dict)
+    connected: bool = False
+
+    def register(self) -> v1.AgentMessage:
+        return v1.AgentMessage(
+            register=v1.Register(
+                node_id=self.node_id,
+                agent_version="bench",
+                labels={"fabric.nvlink-domain": f"nvl-{hash(self.node_id) % 16}"},
+                inventory=v1.Inventory(
+                    hostname=self.node_id,
+                    gpus=[v1.Gpu(index=0, uuid=f"GPU-{self.node_id}", name="NVIDIA H100",
+                                 memory_total_bytes=80 * GiB)],
+                    interfaces=[v1.NetworkInterface(name="lo", addresses=["127.0.0.1"])],
+                    simulated=True,
+                ),
+                shards=list(self.running.values()),
+            )
+        )  # fmt: skip
+
+    async def run(self) -> None:
+        backoff = Backoff(0.5, 5.0)
+        while True:
+            channel = grpclib.client.Channel("127.0.0.1", self.port)
+            try:
+                await self.session(channel)
+                backoff.reset()
+            except (GRPCError, StreamTerminatedError, ConnectionError, OSError):
+                pass
+            finally:
+                self.connected = False
+                channel.close()
+            await asyncio.sleep(backoff.next())
+
+    async def session(self, channel: grpclib.client.Channel) -> None:
+        async with channel.request(
+            CONNECT, grpclib.const.Cardinality.STREAM_STREAM, v1.AgentMessage, v1.ControlMessage
+        ) as stream:
+            await stream.send_message(self.register())
+            ack = await stream.recv_message()
+            if ack is None or ack.register_ack is None:
+                return
+            self.connected = True
+            lock = asyncio.Lock()
+            beats = asyncio.create_task(self.beat(stream, lock))
+            try:
+                async for msg in stream:
+                    await self.obey(stream, lock, msg)
+            finally:
+                beats.cancel()
+
+    async def beat(self, stream: Any, lock: asyncio.Lock) -> None:
+        # Spread the fleet's heartbeats over the interval, as independent nodes would be.
+        await asyncio.sleep(random.random() * self.heartbeat)
+        seq = 0
+        while True:
+            seq += 1
+            msg = v1.AgentMessage(
+                heartbeat=v1.Heartbeat(sequence=seq, sent_at=dt.datetime.now(dt.UTC))
+            )
+            async with lock:
+                await stream.send_message(msg)
+            await asyncio.sleep(self.heartbeat)
+
+    async def obey(self, stream: Any, lock: asyncio.Lock, msg: v1.ControlMessage) -> None:
+        out: list[v1.AgentMessage] = []
+        if msg.start_shard is not None:
+            s = msg.start_shard
+            self.counters.starts += 1
+            url = f"http://127.0.0.1:{s.port}"
+            self.running[s.shard_id] = v1.RunningShard(
+                shard_id=s.shard_id, replica_id=s.replica_id, model=s.model, profile=s.profile,
+                state=S.READY, endpoint_url=url, gpu_indices=list(s.gpu_indices), port=s.port,
+                pid=1, rank=0, world_size=1,
+            )  # fmt: skip
+            out = [
+                v1.AgentMessage(command_result=v1.CommandResult(command_id=s.command_id, ok=True)),
+                v1.AgentMessage(
+                    shard_status=v1.ShardStatus(
+                        shard_id=s.shard_id, replica_id=s.replica_id, state=S.READY,
+                        endpoint_url=url,
+                    )
+                ),
+            ]  # fmt: skip
+        elif msg.stop_shard is not None or msg.drain_shard is not None:
+            cmd = msg.stop_shard or msg.drain_shard
+            assert cmd is not None
+            if msg.stop_shard is not None:
+                self.counters.stops += 1
+            else:
+                self.counters.drains += 1
+            shard = self.running.pop(cmd.shard_id, None)
+            out = [
+                v1.AgentMessage(command_result=v1.CommandResult(command_id=cmd.command_id, ok=True))
+            ]
+            if shard is not None:
+                out.append(
+                    v1.AgentMessage(
+                        shard_status=v1.ShardStatus(
+                            shard_id=shard.shard_id, replica_id=shard.replica_id, state=S.STOPPED
+                        )
+                    )
+                )
+        async with lock:
+            for m in out:
+                await stream.send_message(m)
+
+
+# --- measurements ---------------------------------------------------------------------
+
+_BUCKET = re.compile(r'^llmgw_control_heartbeat_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
+_COUNT = re.compile(r"^llmgw_control_heartbeats_total (\S+)$", re.M)
+
+
+def histogram(text: str) -> list[tuple[float, float]]:
+    return [(float(le), float(n)) for le, n in _BUCKET.findall(text)]
+
+
+def quantile(
+    before: list[tuple[float, float]], after: list[tuple[float, float]], q: float
+) -> float:
+    """The q-quantile of the observations between two scrapes of a cumulative histogram."""
+    deltas = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
+    total = deltas[-1][1]
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    prev_le, prev_n = 0.0, 0.0
+    for le, n in deltas:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            # Linear inside the bucket, as Prometheus' histogram_quantile does.
+            return prev_le + (le - prev_le) * (rank - prev_n) / max(n - prev_n, 1e-9)
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+def heartbeat_count(text: str) -> float:
+    match = _COUNT.search(text)
+    return float(match.group(1)) if match else 0.0
+
+
+async def wait_until(
+    control: ControlProcess, check: Any, what: str, timeout: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError):
+            summary = await control.summary()
+            if check(summary):
+                return summary
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        await asyncio.sleep(0.25)
+
+
+def all_ready(n: int) -> Any:
+    return lambda s: s["nodes"].get("READY", 0) == n and s["replicas"].get("ready", 0) == n
+
+
+async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    results: dict[str, float] = {}
+    control = ControlProcess(workdir, args.agents, args.heartbeat, args.control_core)
+    counters = Counters()
+    agents = [
+        SimAgent(f"node-{i:05d}", control.grpc_port, args.heartbeat, counters)
+        for i in range(args.agents)
+    ]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        control.start()
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(a.run()) for a in agents]
+        await wait_until(control, all_ready(args.agents), "the first placement", args.timeout)
+        results["first placement, all READY (s)"] = time.monotonic() - t0
+        results["starts sent for the first placement"] = counters.starts
+
+        # 1. Heartbeats over a window, after things settled.
+        await asyncio.sleep(args.heartbeat * 2)
+        before = await control.metrics()
+        t1 = time.monotonic()
+        await asyncio.sleep(args.window)
+        after = await control.metrics()
+        elapsed = time.monotonic() - t1
+        results["heartbeats handled per second"] = (
+            heartbeat_count(after) - heartbeat_count(before)
+        ) / elapsed
+        results["heartbeat lag p50 (ms)"] = quantile(histogram(before), histogram(after), 0.5) * 1e3
+        results["heartbeat lag p99 (ms)"] = (
+            quantile(histogram(before), histogram(after), 0.99) * 1e3
+        )
+
+        # 2. Restart: every shard must be adopted, none touched.
+        counters.starts = counters.stops = counters.drains = 0
+        control.stop()
+        started = control.start()
+        summary = await wait_until(
+            control,
+            lambda s: all_ready(args.agents)(s) and s["adopted"] == args.agents,
+            "the reconnect storm to settle",
+            args.timeout,
+        )
+        results["reconnect storm: restart to all READY and adopted (s)"] = (
+            time.monotonic() - started
+        )
+        # Past the startup grace, a few passes more: anything control would send, it has.
+        grace_end = started + 10.0 + 3.0
+        await asyncio.sleep(max(grace_end - time.monotonic(), 0.0))
+        await wait_until(
+            control,
+            lambda s: s["reconciles"] >= summary["reconciles"] + 3,
+            "three more passes",
+            args.timeout,
+        )
+        results["commands sent to adopted shards after restart"] = (
+            counters.starts + counters.stops + counters.drains
+        )
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        control.stop()
+    return results
+
+
+def placement_phase(replicas: int, nodes: int, repeats: int) -> dict[str, float]:
+    rng = random.Random(5)
+    sizes = [1, 1, 1, 2, 2, 4, 8]
+
+    def fleet() -> list[NodeView]:
+        return [
+            NodeView(
+                f"node-{i:05d}",
+                "READY",
+                tuple(GpuSlot(g, "NVIDIA H100 80GB HBM3", 80 * GiB) for g in range(8)),
+                {"fabric.nvlink-domain": f"nvl-{i // 8}"},
+                "10.0.0.1",
+            )
+            for i in range(nodes)
+        ]
+
+    demands = [Demand(gpus_per_node=rng.choice(sizes)) for _ in range(replicas)]
+    pure: list[float] = []
+    for _ in range(repeats):
+        views = fleet()
+        t = time.perf_counter()
+        placer = Placer(views, (20000, 29999))
+        placed = sum(isinstance(placer.place(d), Placement) for d in demands)
+        pure.append(time.perf_counter() - t)
+        assert placed == replicas, placed
+
+    # The reference: the whole filter chain over every node, for every replica.
+    views = fleet()
+    by_id = {v.node_id: v for v in views}
+    t = time.perf_counter()
+    for d in demands:
+        result = place(d, views, (20000, 29999))
+        if isinstance(result, Placement):
+            commit(result, by_id)
+    reference = time.perf_counter() - t
+
+    # One whole reconcile pass placing them all, as the control plane runs it.
+    per_size = dict.fromkeys(sizes, 0)
+    for d in demands:
+        per_size[d.gpus_per_node] += 1
+    models = msgspec.convert(
+        [
+            {
+                "name": f"model-{s}",
+                "profiles": {"p": {"engine": "vllm", "gpus_per_node": s, "replicas": n}},
+            }
+            for s, n in per_size.items()
+        ],
+        list[ModelConfig],
+    )
+    catalog = build_catalog(models, "bench")
+    node_records = {
+        v.node_id: Node(
+            v.node_id, "s", gpus=v.gpus, interfaces={"lo": ["10.0.0.1"]}, labels=dict(v.labels)
+        )
+        for v in fleet()
+    }
+    settings = Settings(port_range=(20000, 29999), mgmt_interface="lo", startup_grace=0.0)
+    passes: list[float] = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        decision = reconcile(catalog, node_records, ControlState(), 100.0, settings)
+        passes.append(time.perf_counter() - t)
+        assert len(decision.commands) == replicas, len(decision.commands)
+    return {
+        f"placement baseline: {replicas} over {nodes}, full scan per replica (s)": reference,
+        f"placement: {replicas} replicas over {nodes} nodes, Placer (s)": statistics.median(pure),
+        f"placement: {replicas} replicas over {nodes} nodes, one reconcile pass (s)": statistics.median(
+            passes
+        ),
+    }
+
+
+TARGETS = {
+    "heartbeat lag p99 (ms)": 50.0,
+    "reconnect storm: restart to all READY and adopted (s)": 30.0,
+    "commands sent to adopted shards after restart": 0.0,
+}
+
+
+def report(results: dict[str, float]) -> None:
+    width = max(len(k) for k in results)
+    print(f"\n{'measure'.ljust(width)}  {'value':>10}  {'target':>8}  {'ratio':>6}")
+    for name, value in results.items():
+        target = TARGETS.get(name)
+        if target is None and name.startswith("placement"):
+            target = 1.0
+        shown = f"{value:10.3f}" if isinstance(value, float) else f"{value:10d}"
+        if target is None:
+            print(f"{name.ljust(width)}  {shown}")
+        elif target == 0:
+            print(f"{name.ljust(width)}  {shown}  {'0':>8}  {'ok' if value == 0 else 'MISS':>6}")
+        else:
+            print(f"{name.ljust(width)}  {shown}  {target:8g}  {value / target:6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=2000)
+    parser.add_argument("--heartbeat", type=float, default=2.0)
+    parser.add_argument("--window", type=float, default=20.0, help="heartbeat window, seconds")
+    parser.add_argument("--timeout", type=float, default=180.0, help="limit of each phase")
+    parser.add_argument("--control-core", type=int, default=0)
+    parser.add_argument("--skip-fleet", action="store_true", help="placement only")
+    args = parser.parse_args()
+
+    cores = os.sched_getaffinity(0)
+    others = cores - {args.control_core}
+    if others:
+        # The simulated fleet stays off the control plane's core.
+        os.sched_setaffinity(0, others)
+    print(
+        f"control pinned to core {args.control_core}; {args.agents} agents on cores "
+        f"{sorted(others) or sorted(cores)}; heartbeat every {args.heartbeat:g}s"
+    )
+    results: dict[str, float] = {}
+    if not args.skip_fleet:
+        with tempfile.TemporaryDirectory(prefix="bench-control-") as tmp:
+            try:
+                results.update(asyncio.run(fleet_phases(args, Path(tmp))))
+            finally:
+                log = Path(tmp) / "control.log"
+                if log.exists():
+                    errors = [ln for ln in log.read_text().splitlines() if '"error"' in ln]
+                    if errors:
+                        print(f"control logged {len(errors)} error(s); first: {errors[0][:300]}")
+    results.update(placement_phase(500, 1000, 3))
+    report(results)
+
+
+if __name__ == "__main__":
+    main()
