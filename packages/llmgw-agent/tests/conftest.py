@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime
 import json
 import os
 import signal
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpclib.const
+import grpclib.server
 import pynvml
 import pytest
 from llmgw_agent.config import AgentConfig
@@ -200,12 +204,13 @@ class Kit:
 
     FakeNvml: type[FakeNvml]
     FakeGpu: type[FakeGpu]
+    FakeControl: type[FakeControl]
     make_start: Callable[..., v1.StartShard]
 
 
 @pytest.fixture
 def kit() -> Kit:
-    return Kit(FakeNvml=FakeNvml, FakeGpu=FakeGpu, make_start=make_start)
+    return Kit(FakeNvml=FakeNvml, FakeGpu=FakeGpu, FakeControl=FakeControl, make_start=make_start)
 
 
 def agent_yaml(tmp_path: Path, engine: list[str], **extra: Any) -> dict[str, Any]:
@@ -247,3 +252,105 @@ def reap(tmp_path: Path) -> Iterator[list[int]]:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+
+
+class FakeControl:
+    """A scripted control plane: a REAL grpclib server implementing AgentService/Connect.
+
+    It records every message each stream brings, answers Register with RegisterAck,
+    and sends whatever a test queues with :meth:`send`.
+    """
+
+    def __init__(self, port: int, heartbeat_interval: float = 0.2) -> None:
+        self.port = port
+        self.heartbeat_interval = heartbeat_interval
+        # One list of received messages per stream, in order.
+        self.streams: list[list[v1.AgentMessage]] = []
+        self._outgoing: asyncio.Queue[v1.ControlMessage] = asyncio.Queue()
+        self._server: grpclib.server.Server | None = None
+        self._transports: list[asyncio.Transport] = []
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            "/llmgw.v1.AgentService/Connect": grpclib.const.Handler(
+                self._connect,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                v1.AgentMessage,
+                v1.ControlMessage,
+            )
+        }
+
+    async def start(self) -> None:
+        self._server = grpclib.server.Server([self])
+        await self._server.start("127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        """The control plane goes away: listener and every open stream."""
+        if self._server is not None:
+            self._server.close()
+            # A control plane that exits drops its TCP connections; closing the server
+            # alone would only cancel the handlers and leave the streams hanging.
+            for transport in self._transports:
+                transport.abort()
+            self._transports.clear()
+            await self._server.wait_closed()
+            self._server = None
+
+    def send(self, message: v1.ControlMessage) -> None:
+        self._outgoing.put_nowait(message)
+
+    async def _connect(
+        self, stream: grpclib.server.Stream[v1.AgentMessage, v1.ControlMessage]
+    ) -> None:
+        received: list[v1.AgentMessage] = []
+        self.streams.append(received)
+        self._transports.append(stream.peer._transport)
+        first = await stream.recv_message()
+        assert first is not None
+        received.append(first)
+        await stream.send_message(
+            v1.ControlMessage(
+                register_ack=v1.RegisterAck(
+                    session_id=f"s{len(self.streams)}",
+                    heartbeat_interval=datetime.timedelta(seconds=self.heartbeat_interval),
+                )
+            )
+        )
+
+        async def pump() -> None:
+            while True:
+                await stream.send_message(await self._outgoing.get())
+
+        sender = asyncio.create_task(pump())
+        try:
+            async for message in stream:
+                received.append(message)
+        finally:
+            sender.cancel()
+
+    # ---- what tests look at ----
+
+    def registers(self) -> list[v1.Register]:
+        return [m[0].register for m in self.streams if m and m[0].register is not None]
+
+    def statuses(self, stream: int | None = None) -> list[v1.ShardStatus]:
+        chosen = self.streams if stream is None else [self.streams[stream]]
+        return [m.shard_status for s in chosen for m in s if m.shard_status is not None]
+
+    def results(self) -> list[v1.CommandResult]:
+        return [m.command_result for s in self.streams for m in s if m.command_result is not None]
+
+    def heartbeats(self, stream: int = -1) -> list[v1.Heartbeat]:
+        if not self.streams:
+            return []
+        return [m.heartbeat for m in self.streams[stream] if m.heartbeat is not None]
+
+
+@pytest.fixture
+async def control() -> AsyncIterator[FakeControl]:
+    from llmgw_testkit import free_port
+
+    fake = FakeControl(free_port())
+    await fake.start()
+    yield fake
+    await fake.stop()

@@ -26,8 +26,10 @@ __all__ = [
     "split_host_port",
 ]
 
-# Arity of a flag: 0 is a switch, 1 takes one value, MANY takes one or more.
+# Arity of a flag: 0 is a switch, 1 takes one value, MANY takes one or more,
+# OPTIONAL takes one value if one follows (llama.cpp's -fa [on|off|auto]).
 MANY = -1
+OPTIONAL = -2
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ def parse_engine_args(
     aliases: Mapping[str, str],
     *,
     negatable: bool = False,
+    plain_switches: frozenset[str] = frozenset(),
     underscores: bool = False,
 ) -> ParsedArgs:
     """Read ``args`` against a flag table; each problem names the argument."""
@@ -72,7 +75,7 @@ def parse_engine_args(
         arity = flags.get(name)
         if arity is None and negatable and name.startswith("--no-"):
             positive = aliases.get("--" + name[5:], "--" + name[5:])
-            if flags.get(positive) == 0:
+            if flags.get(positive) == 0 and positive not in plain_switches:
                 name, arity = positive, 0
                 inline, eq = "false", "="
         if arity is None:
@@ -88,9 +91,9 @@ def parse_engine_args(
         while i < len(args) and not _looks_like_flag(args[i], flags, aliases):
             taken.append(args[i])
             i += 1
-            if arity == 1:
+            if arity in (1, OPTIONAL):
                 break
-        if not taken:
+        if not taken and arity != OPTIONAL:
             errors.append(f"engine argument {name!r} needs a value")
             continue
         values[name] = taken
@@ -147,13 +150,20 @@ class Adapter:
     needs_gpus: bool
     multi_node: bool
     negatable: bool = False
+    # Switches that have no --no- form even where others do (plain store_true).
+    plain_switches: frozenset[str] = frozenset()
     underscores: bool = False
     max_served_names: int = 0  # 0: any number
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def parse(self, args: Sequence[str]) -> ParsedArgs:
         return parse_engine_args(
-            args, self.flags, self.aliases, negatable=self.negatable, underscores=self.underscores
+            args,
+            self.flags,
+            self.aliases,
+            negatable=self.negatable,
+            plain_switches=self.plain_switches,
+            underscores=self.underscores,
         )
 
     def parallel_sizes(self, start: v1.StartShard, parsed: ParsedArgs) -> tuple[int, int]:
@@ -264,10 +274,13 @@ class LlamaCppAdapter(Adapter):
         return argv + list(start.engine_args)
 
 
-def _table(value_flags: str, switch_flags: str, many_flags: str = "") -> dict[str, int]:
+def _table(
+    value_flags: str, switch_flags: str, many_flags: str = "", optional_flags: str = ""
+) -> dict[str, int]:
     table = dict.fromkeys(value_flags.split(), 1)
     table.update(dict.fromkeys(switch_flags.split(), 0))
     table.update(dict.fromkeys(many_flags.split(), MANY))
+    table.update(dict.fromkeys(optional_flags.split(), OPTIONAL))
     return table
 
 
@@ -297,7 +310,13 @@ _VLLM_FLAGS = _table(
     --nnodes --node-rank --master-addr --master-port --expert-placement-strategy
     --eplb-config
     --allowed-local-media-path --tokenizer-pool-size --h11-max-incomplete-event-size
-    --h11-max-header-count --mm-processor-cache-gb --async-scheduling-mode
+    --h11-max-header-count --mm-processor-cache-gb --async-scheduling-mode --api-server-count
+    --disable-access-log-for-endpoints --default-chat-template-kwargs --ssl-ciphers --tool-server
+    --log-config-file --override-attention-dtype --io-processor-plugin
+    --safetensors-load-strategy --model-loader-extra-config --pt-load-map-location
+    --decode-context-parallel-size --mamba-cache-dtype --kv-offloading-size
+    --kv-offloading-backend --media-io-kwargs --default-mm-loras --scheduler-cls
+    --additional-config --allowed-origins --allowed-methods --allowed-headers --middleware
     """,
     switch_flags="""
     --headless --trust-remote-code --disable-sliding-window --enable-prefix-caching
@@ -311,10 +330,16 @@ _VLLM_FLAGS = _table(
     --data-parallel-hybrid-lb --data-parallel-external-lb --async-scheduling --enable-dbo
     --disable-async-output-proc --ray-workers-use-nsight --skip-tokenizer-init
     --enable-prompt-embeds --disable-cascade-attn --enable-tokenizer-info-endpoint --enable-log-outputs
+    --grpc --trust-request-chat-template --enable-ssl-refresh --exclude-tools-when-tool-choice-none
+    --enable-per-request-metrics --log-error-stack --tokens-only --use-tqdm-on-load
+    --kv-sharing-fast-prefill --interleave-mm-strings --skip-mm-profiling
+    --disable-chunked-mm-input --disable-hybrid-kv-cache-manager
     """,
     many_flags="""
-    --lora-modules --allowed-origins --allowed-methods --allowed-headers --middleware --api-key
+    --lora-modules --api-key --served-model-name --collect-detailed-traces --cuda-graph-sizes
+    --allowed-media-domains --logits-processors --ignore-patterns
     """,
+    optional_flags="--hf-token",
 )
 
 _SGLANG_FLAGS = _table(
@@ -332,7 +357,12 @@ _SGLANG_FLAGS = _table(
     --device --json-model-override-args --decode-log-interval --dist-timeout
     --moe-a2a-backend --moe-runner-backend --prefill-attention-backend --decode-attention-backend
     --kv-cache-memory --page-size --hicache-ratio --hicache-size --max-queued-requests
-    --tokenizer-worker-num --bucket-time-to-first-token --collect-tokens-histogram
+    --tokenizer-worker-num --model-loader-extra-config --model-impl --warmups --nccl-port
+    --quantization-param-path --max-micro-batch-size --constrained-json-whitespace-pattern
+    --log-requests-level --crash-dump-folder --kv-events-config --completion-template
+    --preferred-sampling-params --max-lora-rank --lora-backend --mm-attention-backend
+    --disaggregation-mode --disaggregation-transfer-backend --disaggregation-bootstrap-port
+    --cpu-offload-gb --config
     """,
     switch_flags="""
     --enable-metrics --trust-remote-code --skip-tokenizer-init --log-requests --show-time-cost
@@ -340,9 +370,16 @@ _SGLANG_FLAGS = _table(
     --enable-ep-moe --is-embedding --enable-mixed-chunk --triton-attention-reduce-in-fp32
     --disable-overlap-schedule --enable-p2p-check --enable-cache-report --allow-auto-truncate
     --enable-hierarchical-cache --disable-custom-all-reduce --enable-dp-lm-head
-    --enable-two-batch-overlap --enable-deterministic-inference
+    --enable-two-batch-overlap --enable-deterministic-inference --collect-tokens-histogram
+    --enable-multimodal --skip-server-warmup --stream-output --sleep-on-idle
+    --enable-metrics-for-all-schedulers --enable-request-time-stats-logging --enable-lora
+    --enable-eplb --disable-cuda-graph-padding --disable-outlines-disk-cache
+    --enable-nan-detection --enable-memory-saver --enable-custom-logit-processor
     """,
-    many_flags="--lora-paths",
+    many_flags="""
+    --lora-paths --bucket-time-to-first-token --bucket-inter-token-latency
+    --bucket-e2e-request-latency --lora-target-modules --cuda-graph-bs
+    """,
 )
 
 _LLAMACPP_FLAGS = _table(
@@ -352,15 +389,22 @@ _LLAMACPP_FLAGS = _table(
     --cache-type-k --cache-type-v --rope-scaling --rope-freq-base --rope-freq-scale
     --chat-template --chat-template-file --reasoning-format --reasoning-budget --seed --temp
     --top-k --top-p --min-p --repeat-penalty --api-key --timeout --threads-http --cache-reuse
-    --verbosity --lora --mmproj --device --flash-attn --override-kv --keep --defrag-thold
+    --verbosity --lora --mmproj --device --override-kv --keep --defrag-thold
     --slot-save-path --model-draft --draft-max --draft-min --n-gpu-layers-draft --pooling
-    --grp-attn-n --grp-attn-w --ctx-checkpoints --cache-ram
+    --grp-attn-n --grp-attn-w --ctx-checkpoints --cache-ram --rope-scale --lora-scaled
+    --model-url --hf-repo --hf-file --hf-token --log-file --samplers --path --api-prefix
+    --api-key-file --ssl-key-file --ssl-cert-file --chat-template-kwargs
+    --slot-prompt-similarity --threads-draft
     """,
     switch_flags="""
     --cont-batching --no-cont-batching --mlock --no-mmap --metrics --slots --props --embedding
     --reranking --jinja --log-disable --no-warmup --kv-unified --swa-full --no-webui
     --check-tensors --verbose --log-timestamps --log-prefix --context-shift --no-context-shift
+    --version --no-perf --escape --no-escape --no-kv-offload --mmap --list-devices
+    --lora-init-without-apply --no-mmproj --no-slots --no-jinja --spm-infill
+    --no-prefill-assistant
     """,
+    optional_flags="--flash-attn --log-colors",
 )
 
 _LLAMACPP_ALIASES = {
@@ -392,6 +436,28 @@ _LLAMACPP_ALIASES = {
     "--rerank": "--reranking",
     "-md": "--model-draft",
     "-ngld": "--n-gpu-layers-draft",
+    "--gpu-layers-draft": "--n-gpu-layers-draft",
+    "--predict": "--n-predict",
+    "-e": "--escape",
+    "-nkvo": "--no-kv-offload",
+    "-dt": "--defrag-thold",
+    "-mu": "--model-url",
+    "-hf": "--hf-repo",
+    "-hfr": "--hf-repo",
+    "-hff": "--hf-file",
+    "-hft": "--hf-token",
+    "--log-verbose": "--verbose",
+    "--log-verbosity": "--verbosity",
+    "-sps": "--slot-prompt-similarity",
+    "-kvu": "--kv-unified",
+    "-cram": "--cache-ram",
+    "-td": "--threads-draft",
+    "--draft": "--draft-max",
+    "--draft-n": "--draft-max",
+    "--draft-n-min": "--draft-min",
+    "--swa-checkpoints": "--ctx-checkpoints",
+    "-gan": "--grp-attn-n",
+    "-gaw": "--grp-attn-w",
 }
 
 VLLM = VllmAdapter(
@@ -406,6 +472,14 @@ VLLM = VllmAdapter(
         "-O": "--compilation-config",
         "-n": "--nnodes",
         "-r": "--node-rank",
+        "-asc": "--api-server-count",
+        "-dcp": "--decode-context-parallel-size",
+        "-dpn": "--data-parallel-rank",
+        "-dpr": "--data-parallel-start-rank",
+        "-dpl": "--data-parallel-size-local",
+        "-dpa": "--data-parallel-address",
+        "-dpp": "--data-parallel-rpc-port",
+        "-dpb": "--data-parallel-backend",
     },
     reserved=frozenset(
         {
@@ -429,6 +503,9 @@ VLLM = VllmAdapter(
     needs_gpus=True,
     multi_node=True,
     negatable=True,
+    plain_switches=frozenset(
+        {"--grpc", "--headless", "--disable-async-output-proc", "--enable-reasoning"}
+    ),
     underscores=True,
 )
 
@@ -438,12 +515,9 @@ SGLANG = SglangAdapter(
     flags=_SGLANG_FLAGS,
     aliases={
         "--tensor-parallel-size": "--tp-size",
-        "--tp": "--tp-size",
         "--pipeline-parallel-size": "--pp-size",
         "--data-parallel-size": "--dp-size",
-        "--dp": "--dp-size",
         "--model": "--model-path",
-        "--tokenizer": "--tokenizer-path",
         "--expert-parallel-size": "--ep-size",
         "--ep": "--ep-size",
         "--nccl-init-addr": "--dist-init-addr",

@@ -10,7 +10,7 @@ from typing import Any
 import betterproto2
 import click
 from llmgw_proto import v1
-from llmgw_proto.cli import fail
+from llmgw_proto.cli import fail, log_options
 from llmgw_proto.config import ConfigError
 from llmgw_proto.logs import setup_logging
 
@@ -192,3 +192,19 @@ def _quote(arg: str) -> str:
     import shlex
 
     return shlex.quote(arg)
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="agent.yaml")
+@click.option("--insecure", is_flag=True, help="Plaintext to the control plane (logs a warning).")
+@log_options
+def run(config_path: str | None, insecure: bool) -> None:
+    """Register with the control plane and run the engines it asks for.
+
+    SIGTERM or SIGINT stops the agent; engines keep running (a new agent re-adopts
+    them) unless stop_engines_on_exit is set.
+    """
+    config = _config_or_exit(config_path, insecure=insecure)
+    from llmgw_agent.agent import run_agent
+
+    sys.exit(run_agent(config))

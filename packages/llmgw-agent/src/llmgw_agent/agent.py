@@ -1,0 +1,104 @@
+"""The agent process: inventory, supervisor and control stream, wired together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+import structlog
+from llmgw_proto import v1
+from llmgw_proto.tls import client_context
+
+from llmgw_agent import __version__
+from llmgw_agent.config import AgentConfig
+from llmgw_agent.inventory import GpuSource, Nvml, collect_inventory, open_gpus
+from llmgw_agent.stream import ControlLink, Outbox
+from llmgw_agent.supervisor import Supervisor
+
+__all__ = ["Agent", "run_agent"]
+
+log = structlog.get_logger(__name__)
+
+
+class Agent:
+    """One node's agent. ``run`` until ``stop`` is set; engines outlive it by default."""
+
+    def __init__(self, config: AgentConfig, *, nvml: Nvml | None = None) -> None:
+        self.config = config
+        self.gpus: GpuSource = open_gpus(config, nvml)
+        self.outbox = Outbox()
+        self.supervisor = Supervisor(
+            config,
+            gpus={g.index: self.gpus.simulated for g in self.gpus.gpus},
+            simulated=self.gpus.simulated,
+            sink=self.outbox.status,
+        )
+        tls = config.control.tls
+        ssl_context = None
+        if tls.insecure:
+            log.warning(
+                "plaintext connection to the control plane: no TLS (insecure)",
+                address=config.control.address,
+            )
+        else:
+            ssl_context = client_context(Path(tls.cert), Path(tls.key), Path(tls.ca))
+        self.link = ControlLink(
+            config,
+            handler=self.supervisor,
+            outbox=self.outbox,
+            register=self.register,
+            usage=self.gpus.usage,
+            ssl_context=ssl_context,
+        )
+
+    def register(self) -> v1.Register:
+        return v1.Register(
+            node_id=self.config.node_name,
+            agent_version=__version__,
+            inventory=collect_inventory(self.config, self.gpus),
+            labels=dict(self.config.labels),
+            shards=self.supervisor.running_shards(),
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        adopted = self.supervisor.adopt()
+        log.info(
+            "agent starting",
+            node=self.config.node_name,
+            gpus=len(self.gpus.gpus),
+            simulated=self.gpus.simulated,
+            adopted=adopted,
+            control=self.config.control.address,
+        )
+        link = asyncio.create_task(self.link.run(), name="control link")
+        try:
+            await stop.wait()
+        finally:
+            stopping = self.config.stop_engines_on_exit
+            log.info("agent stopping", stop_engines=stopping, engines=len(self.supervisor.engines))
+            await self.supervisor.close(stop_engines=stopping)
+            if stopping and self.link.connected.is_set():
+                # Let the STOPPED statuses reach the control plane, briefly.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(2.0):
+                        await self.outbox.flushed()
+            link.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link
+            self.gpus.close()
+
+
+def run_agent(config: AgentConfig) -> int:
+    """Run until SIGTERM or SIGINT; the exit status."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Agent(config).run(stop)
+
+    asyncio.run(main())
+    return 0
