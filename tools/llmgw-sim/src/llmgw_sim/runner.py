@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Sequence
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from llmgw_sim.config import (
     EngineConfig,
@@ -29,9 +29,24 @@ from llmgw_sim.logs import (
     vllm_core_failure_tail,
     vllm_crash_tail,
 )
-from llmgw_sim.server import Engine, build_app
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from llmgw_sim.server import Engine
 
 _BACKLOG = 2048
+
+
+def _access_logger() -> logging.Logger:
+    logger = logging.getLogger("llmgw_sim.access")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
 
 
 def _exists(path: str) -> bool:
@@ -235,9 +250,18 @@ class Lifecycle:
         return sock
 
     async def _serve(self, app: web.Application, sock: socket.socket) -> None:
+        from aiohttp import web
+
+        access: dict[str, object] = {"access_log": None}
+        if self.knobs.log_requests:
+            access = {
+                "access_log": _access_logger(),
+                # uvicorn's access line, as vLLM and SGLang print it.
+                "access_log_format": 'INFO:     %a - "%r" %s',
+            }
         self.runner = web.AppRunner(
             app,
-            access_log=None,
+            **access,  # type: ignore[arg-type]
             handle_signals=False,
             handler_cancellation=True,
             shutdown_timeout=self.knobs.shutdown_grace,
@@ -281,6 +305,9 @@ class Lifecycle:
             check_devices(cfg, os.environ)
         except StartupError as err:
             return self.fail(err)
+
+        # Imported here so that argument errors answer without loading aiohttp.
+        from llmgw_sim.server import Engine, build_app
 
         engine = Engine(cfg, self.crash)
         if cfg.kind != "vllm" and sock is not None:
@@ -370,6 +397,10 @@ def run_engine(kind: EngineKind, argv: Sequence[str]) -> int:
         return 2
     ns = parse_engine_args(kind, engine_argv)
     log = EngineLog(kind)
+    if not 0 <= ns.port <= 65535:
+        # getaddrinfo would quietly wrap the number around; refuse it instead.
+        log.raw(f"error: port {ns.port} is out of range (0-65535)", err=True)
+        return 1
     try:
         config = from_args(kind, ns, knobs)
     except StartupError as err:

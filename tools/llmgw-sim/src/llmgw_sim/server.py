@@ -489,6 +489,10 @@ class Api:
                 eng.stats.itl.observe_many((done - first_token_at) / (count - 1), count - 1)
             eng.stats.e2e.observe(done - arrival)
             eng.finished(finish)
+        except asyncio.CancelledError:
+            # The client went away (or shutdown ran out of grace).
+            eng.stats.requests_ok["abort"] += 1
+            raise
         finally:
             eng.kv_tokens_in_use -= kv_held
             eng.release(rid)
@@ -607,24 +611,41 @@ class Api:
             }
         )
         await resp.prepare(request)
+        # vLLM adds running usage to every chunk only with both stream options.
+        continuous = gen.include_usage and gen.continuous_usage
+
+        def with_usage(chunk: bytes, done: int) -> bytes:
+            if not continuous:
+                return chunk
+            usage = b'"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}' % (
+                prompt_len,
+                prompt_len + done,
+                done,
+            )
+            return chunk[:-3] + b"," + usage + b"}\n\n"
+
         parts: list[bytes] = []
         if chat:
             parts.append(
-                head + b'{"index":0,"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}]}\n\n'
+                with_usage(
+                    head + b'{"index":0,"delta":{"role":"assistant","content":""},'
+                    b'"logprobs":null,"finish_reason":null}]}\n\n',
+                    0,
+                )
             )
         n = len(tokens)
         itl = eng.timing.itl
         encoded = [_token_json(t) for t in tokens] or [b'""']
         limit = n if stall_after is None else min(n, max(0, stall_after))
-        if n and (itl > 0 or limit < n):
-            # Paced (or stalling) stream: one write per token.
+        if n and (itl > 0 or limit < n or continuous):
+            # Paced, stalling or per-chunk usage: chunk by chunk.
             for i in range(limit):
-                parts.append(open_ + encoded[i] + (end if i == n - 1 else mid))
-                await resp.write(b"".join(parts))
-                parts.clear()
-                if i < n - 1 and itl > 0:
-                    await asyncio.sleep(itl)
+                parts.append(with_usage(open_ + encoded[i] + (end if i == n - 1 else mid), i + 1))
+                if itl > 0:
+                    await resp.write(b"".join(parts))
+                    parts.clear()
+                    if i < n - 1:
+                        await asyncio.sleep(itl)
             if limit < n:
                 if parts:
                     await resp.write(b"".join(parts))
@@ -633,7 +654,7 @@ class Api:
                 await asyncio.Event().wait()
         else:
             # No pacing: every event at once, built by one C-level join.
-            parts.append(open_ + (mid + open_).join(encoded) + end)
+            parts.append(with_usage(open_ + (mid + open_).join(encoded) + end, n))
         if gen.include_usage:
             parts.append(
                 head[: -len(b'"choices":[')]
