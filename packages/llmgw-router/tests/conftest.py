@@ -449,6 +449,60 @@ def control(tmp_path: Path) -> Iterator[Control]:
         c.stop()
 
 
+@dataclass
+class Engine:
+    """An `llmgw-sim vllm serve` process."""
+
+    id: str
+    port: int
+    proc: Proc
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def flag(self, models: str = "m1") -> str:
+        return f"{self.id}={self.url}={models}"
+
+    def running(self) -> float:
+        """`vllm:num_requests_running` from the engine's own metrics."""
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:num_requests_running{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no vllm:num_requests_running in the engine's metrics")
+
+
+@pytest.fixture
+def spawn_engines(tmp_path: Path) -> Iterator[Callable[..., list[Engine]]]:
+    """Start simulated vLLM engines serving `m1`: ``spawn_engines(n, *sim_flags)``."""
+    started: list[Engine] = []
+
+    def spawn(n: int, *extra: str) -> list[Engine]:
+        batch = []
+        for i in range(n):
+            port = free_port()
+            argv = [SIM, "vllm", "serve", "m1", "--host", "127.0.0.1", "--port", str(port)]
+            argv += ["--sim-load-time", "0", *extra]
+            engine = Engine(
+                f"sim{len(started)}", port, Proc(argv, log_dir=tmp_path, name=f"sim{i}")
+            )
+            started.append(engine)
+            batch.append(engine)
+        for engine in batch:
+            wait_for(
+                lambda e=engine: http_get(e.url + "/health")[0] == 200,  # type: ignore[misc]
+                timeout=30,
+                what=f"engine {engine.id}",
+            )
+        return batch
+
+    try:
+        yield spawn
+    finally:
+        for engine in started:
+            engine.proc.stop()
+
+
 def _reset(ups: list[Upstream]) -> None:
     for up in ups:
         if up.proc.alive():

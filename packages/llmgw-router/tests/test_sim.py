@@ -1,0 +1,113 @@
+"""The router in front of the engine simulator (`llmgw-sim vllm serve`), as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+from llmgw_testkit import wait_for
+
+Spawn = Callable[..., Any]
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def static_router(spawn_router: Spawn, engines: list[Any], **config: Any) -> Any:
+    """A router whose endpoints come from `--endpoint` flags only."""
+    flags: list[str] = []
+    for engine in engines:
+        flags += ["--endpoint", engine.flag()]
+    return spawn_router({"health_checks": {"interval": "250ms"}, **config}, *flags)
+
+
+def test_openai_streaming_with_usage_through_the_router(
+    spawn_engines: Spawn, spawn_router: Spawn
+) -> None:
+    engines = spawn_engines(2)
+    router = static_router(spawn_router, engines)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(
+        model="m1",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 12
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    reply = client.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 5
+    assert [m.id for m in client.models.list()] == ["m1"]
+    statuses = {ep["id"]: ep["profile"] for ep in router.endpoints()["endpoints"]}
+    assert statuses == {"sim0": "static", "sim1": "static"}
+
+
+async def test_engine_killed_mid_load(spawn_engines: Spawn, spawn_router: Spawn) -> None:
+    """Only requests that had started streaming may fail, and those end with an error event."""
+    engines = spawn_engines(2, "--sim-itl", "0.01")
+    router = await asyncio.to_thread(
+        static_router, spawn_router, engines, ejection={"consecutive_failures": 1}
+    )
+    outcomes: list[str] = []
+
+    async def one(http: httpx.AsyncClient) -> None:
+        body = {"model": "m1", "stream": True, "max_tokens": 30, "messages": MESSAGES}
+        async with http.stream("POST", router.url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                outcomes.append(f"status {resp.status_code}")
+                return
+            events = sse_events((await resp.aread()).decode())
+        if events[-1] != "[DONE]":
+            outcomes.append("truncated")
+        elif any('"upstream_error"' in e for e in events):
+            outcomes.append("cut")
+        else:
+            outcomes.append("ok")
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        for _ in range(12):
+            await one(http)
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        workers = [asyncio.create_task(worker(http)) for _ in range(8)]
+        while len(outcomes) < 16:
+            await asyncio.sleep(0.02)
+            assert not all(w.done() for w in workers)
+        await asyncio.to_thread(engines[0].proc.stop, signal.SIGKILL)
+        await asyncio.gather(*workers)
+    assert len(outcomes) == 96
+    assert set(outcomes) <= {"ok", "cut"}, outcomes
+    # After the kill every new request went to the survivor.
+    states = {ep["id"]: ep["state"] for ep in router.endpoints()["endpoints"]}
+    assert states["sim1"] == "ready"
+    assert states["sim0"] in {"ejected", "unhealthy"}
+
+
+def test_client_disconnect_ends_the_engine_request(
+    spawn_engines: Spawn, spawn_router: Spawn
+) -> None:
+    (engine,) = spawn_engines(1, "--sim-itl", "0.1")
+    router = static_router(spawn_router, [engine])
+    body = {"model": "m1", "stream": True, "max_tokens": 300, "messages": MESSAGES}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert engine.running() == 1
+    # 300 tokens at 0.1 s take 30 s; the engine must stop long before that.
+    wait_for(lambda: engine.running() == 0, timeout=15, what="engine request ended")
+    wait_for(
+        lambda: 'llmgw_router_client_disconnects_total{model="m1"} 1.0' in router.metrics(),
+        what="disconnect counted",
+    )
