@@ -229,3 +229,76 @@ def explain(model: str, admin: str) -> None:
             if r["state"] == "backoff":
                 click.echo(f"    retry in {r['retry_in']}s (failures: {r['failures']})")
     sys.stdout.flush()
+
+
+@main.group()
+def ca() -> None:
+    """The certificate authority for the agent and publish streams (mutual TLS)."""
+
+
+ca_dir_option = click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory holding ca.crt and ca.key (and issued certificates).",
+)
+
+
+@ca.command("init")
+@ca_dir_option
+@click.option("--days", type=click.IntRange(min=1), default=3650, show_default=True)
+def ca_init(directory: Path, days: int) -> None:
+    """Make a new CA in DIR (its private key readable by its owner only)."""
+    from llmgw_control.ca import CaError, init_ca
+
+    try:
+        made = init_ca(directory, days=days)
+    except CaError as err:
+        fail(str(err))
+    click.echo(f"CA certificate: {made.cert}\nCA key (keep it secret): {made.key}")
+
+
+@ca.command("issue")
+@ca_dir_option
+@click.option("--node", "node", metavar="NAME", help="A node's client certificate (its node id).")
+@click.option("--router", "router", metavar="NAME", help="A router's client certificate.")
+@click.option(
+    "--server",
+    "server",
+    metavar="HOST[,HOST...]",
+    help="The control plane's server certificate for these DNS names or IP addresses.",
+)
+@click.option("--days", type=click.IntRange(min=1), default=365, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the certificate and key (default: DIR).",
+)
+def ca_issue(
+    directory: Path,
+    node: str | None,
+    router: str | None,
+    server: str | None,
+    days: int,
+    out: Path | None,
+) -> None:
+    """Issue one certificate: exactly one of --node, --router or --server."""
+    from llmgw_control.ca import CaError, issue
+
+    chosen = [
+        (role, value)
+        for role, value in (("node", node), ("router", router), ("server", server))
+        if value
+    ]
+    if len(chosen) != 1:
+        fail("give exactly one of --node NAME, --router NAME or --server HOST[,HOST...]")
+    role, value = chosen[0]
+    hosts = [h.strip() for h in value.split(",") if h.strip()] if role == "server" else []
+    name = hosts[0] if hosts else value
+    try:
+        made = issue(directory, role, name, hosts=hosts or None, days=days, out=out)
+    except CaError as err:
+        fail(str(err))
+    click.echo(f"{role} certificate: {made.cert}\nkey: {made.key}")

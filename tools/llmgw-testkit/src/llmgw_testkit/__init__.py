@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from signal import SIGKILL, SIGTERM
 import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from signal import SIGKILL, SIGTERM
 from typing import TypeVar
 
 __all__ = [
