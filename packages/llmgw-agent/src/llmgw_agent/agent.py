@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 from pathlib import Path
 
@@ -79,14 +78,8 @@ class Agent:
             stopping = self.config.stop_engines_on_exit
             log.info("agent stopping", stop_engines=stopping, engines=len(self.supervisor.engines))
             await self.supervisor.close(stop_engines=stopping)
-            if stopping and self.link.connected.is_set():
-                # Let the STOPPED statuses reach the control plane, briefly.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(2.0):
-                        await self.outbox.flushed()
-            link.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await link
+            # Statuses still queued (STOPPED ones among them) reach the control plane first.
+            await self.link.close(link, timeout=5.0)
             self.gpus.close()
 
 

@@ -83,6 +83,10 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._items)
 
+    def wake(self) -> None:
+        """Wake a sender waiting in :meth:`wait` without adding anything."""
+        self._changed.set()
+
     async def wait(self, timeout: float) -> None:
         """Until something is put, or ``timeout`` seconds pass."""
         if self._items:
@@ -113,6 +117,7 @@ class ControlLink:
     # Each reconnect delay drawn, for logs and tests.
     delays: list[float] = field(default_factory=list)
     heartbeats_sent: int = 0
+    _closing: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         if self.backoff is None:
@@ -122,7 +127,7 @@ class ControlLink:
         """Connect, serve the stream, reconnect: forever (until cancelled)."""
         assert self.backoff is not None
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closing.is_set():
             up_since: list[float] = []
             try:
                 await self._session(up_since)
@@ -137,12 +142,28 @@ class ControlLink:
                 )
             finally:
                 self.connected.clear()
+            if self._closing.is_set():
+                return
             if up_since and loop.time() - up_since[0] >= self.config.stable_after:
                 self.backoff.reset()
             delay = self.backoff.next()
             self.delays.append(delay)
             log.info("reconnecting", delay=round(delay, 3), attempt=self.backoff.attempt)
             await asyncio.sleep(delay)
+
+    async def close(self, task: asyncio.Task[None], timeout: float) -> None:
+        """End ``task`` (running :meth:`run`) gracefully: send what is queued, half-close
+        the stream, and wait for the control plane to end it, so it has read everything.
+        """
+        self._closing.set()
+        self.outbox.wake()
+        if self.connected.is_set():
+            with contextlib.suppress(TimeoutError, Exception):
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(task)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
     async def _session(self, up_since: list[float]) -> None:
         host, port = split_host_port(self.config.control.address)
@@ -213,6 +234,10 @@ class ControlLink:
             while (message := self.outbox.peek()) is not None:
                 await stream.send_message(message)
                 self.outbox.pop()  # only once sent: a broken stream keeps it for the next
+            if self._closing.is_set():
+                # Everything queued is sent: half-close, and let the receiver see the end.
+                await stream.end()
+                await asyncio.Future()
             now = loop.time()
             if now >= next_heartbeat:
                 sequence += 1
