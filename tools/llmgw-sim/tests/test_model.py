@@ -123,6 +123,8 @@ def test_timing_prefill_shrinks_with_cached_prefix() -> None:
         (10, 4, 5, 100, (4, "stop")),
         (None, 1000, 5, 100, (95, "length")),
         (None, None, 90, 100, (10, "length")),
+        (4000, None, 98, 100, (2, "length")),
+        (4000, 3, 10, 100, (3, "stop")),
     ],
 )
 def test_output_length(

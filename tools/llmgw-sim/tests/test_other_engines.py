@@ -31,7 +31,7 @@ def _stream_with_usage(sim: Sim, model: str, api_key: str = "none") -> None:
 def test_sglang_health_is_503_while_loading(tmp_path: Path) -> None:
     port = free_port()
     loaded = tmp_path / "loaded"
-    args = ["--tp-size", "2", "--enable-metrics", "--sim-load-until", str(loaded)]
+    args = ["--tp-size", "2", "--sim-load-until", str(loaded)]
     with Proc(
         engine_argv("sglang", port, args), log_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "0,1"}
     ) as proc:
@@ -41,6 +41,8 @@ def test_sglang_health_is_503_while_loading(tmp_path: Path) -> None:
         proc.wait_output("The server is fired up and ready to roll!")
         assert http_get(f"http://127.0.0.1:{port}/health")[0] == 200
         assert "Load weight begin" in proc.output()
+        # Without --enable-metrics SGLang serves no /metrics.
+        assert http_get(f"http://127.0.0.1:{port}/metrics")[0] == 404
 
 
 def test_sglang_api_and_metrics(tmp_path: Path) -> None:
@@ -65,11 +67,6 @@ def test_sglang_api_and_metrics(tmp_path: Path) -> None:
         assert httpx.get(sim.url + "/get_model_info").json()["model_path"] == "org/model"
 
 
-def test_sglang_without_enable_metrics_has_no_metrics(tmp_path: Path) -> None:
-    with start(tmp_path, "sglang") as sim:
-        assert httpx.get(sim.url + "/metrics").status_code == 404
-
-
 def test_sglang_unknown_flag_exits_2(tmp_path: Path) -> None:
     proc = run_to_exit(tmp_path, [*SIM, "sglang", "--model-path", "m", "--bogus"])
     assert proc.returncode == 2
@@ -79,7 +76,7 @@ def test_sglang_unknown_flag_exits_2(tmp_path: Path) -> None:
 def test_llama_server_health_while_loading_then_ok(tmp_path: Path) -> None:
     port = free_port()
     loaded = tmp_path / "loaded"
-    args = ["--alias", "tiny", "--metrics", "--sim-load-until", str(loaded)]
+    args = ["--alias", "tiny", "--sim-load-until", str(loaded)]
     with Proc(engine_argv("llama-server", port, args), log_dir=tmp_path) as proc:
         proc.wait_output("main: loading model")
         url = f"http://127.0.0.1:{port}"
@@ -91,6 +88,10 @@ def test_llama_server_health_while_loading_then_ok(tmp_path: Path) -> None:
         loaded.touch()
         proc.wait_output("starting the main loop")
         assert http_get(url + "/health") == (200, b'{"status":"ok"}')
+        # Without --metrics llama-server answers /metrics with 501.
+        status, body = http_get(url + "/metrics")
+        assert status == 501
+        assert b"not_supported_error" in body
 
 
 def test_llama_server_api_metrics_and_key(tmp_path: Path) -> None:
@@ -107,20 +108,24 @@ def test_llama_server_api_metrics_and_key(tmp_path: Path) -> None:
         assert samples["llamacpp:requests_processing"] == 0
         assert samples["llamacpp:tokens_predicted_total"] == 6
         assert "llamacpp:kv_cache_usage_ratio" in samples
+        # llama.cpp rejects a prompt that does not fit, but cuts a long generation short.
         r = httpx.post(
-            sim.url + "/v1/chat/completions",
+            sim.url + "/v1/completions",
             headers={"Authorization": "Bearer k1"},
-            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4000},
+            json={"prompt": "x " * 2100, "max_tokens": 4},
         )
         assert r.status_code == 400
-        assert "maximum context length is 2048" in r.json()["error"]["message"]
-
-
-def test_llama_server_without_metrics_flag_answers_501(tmp_path: Path) -> None:
-    with start(tmp_path, "llama-server") as sim:
-        r = httpx.get(sim.url + "/metrics")
-        assert r.status_code == 501
-        assert r.json()["error"]["type"] == "not_supported_error"
+        err = r.json()["error"]
+        assert err["type"] == "exceed_context_size_error"
+        assert err["n_ctx"] == 2048
+        r = httpx.post(
+            sim.url + "/v1/completions",
+            headers={"Authorization": "Bearer k1"},
+            json={"prompt": "x " * 2000, "max_tokens": 4000},
+        )
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["total_tokens"] == 2048
 
 
 def test_llama_server_unknown_flag_and_load_failure(tmp_path: Path) -> None:

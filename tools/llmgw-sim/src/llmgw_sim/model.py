@@ -328,13 +328,14 @@ def output_length(
 ) -> tuple[int, str]:
     """How many tokens to generate and the finish reason ("length" or "stop")."""
     room = max(0, max_model_len - prompt_tokens)
-    limit = requested_max if requested_max is not None else room
-    want = (
-        sim_output_len
-        if sim_output_len is not None
-        else (requested_max if requested_max is not None else default_max_tokens)
-    )
-    count = min(want, limit, room)
-    # Hitting the request's (or the context's) limit reads as "length", exactly
-    # as a real engine reports a generation cut short.
-    return count, ("length" if count >= limit else "stop")
+    cap = room if requested_max is None else min(requested_max, room)
+    if sim_output_len is not None:
+        want = sim_output_len
+    elif requested_max is not None:
+        want = requested_max
+    else:
+        want = default_max_tokens
+    count = min(want, cap)
+    # Running into the request's max_tokens or the context's end reads as
+    # "length", exactly as a real engine reports a generation cut short.
+    return count, ("length" if count >= cap else "stop")

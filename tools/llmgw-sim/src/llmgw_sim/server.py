@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import math
 import os
 import random
@@ -203,14 +204,49 @@ class Engine:
         return None
 
     def context_error(self, gen: Generation, prompt_len: int) -> web.Response | None:
+        """400 when the prompt (plus max_tokens) does not fit, worded as each engine words it."""
         limit = self.config.max_model_len
-        if prompt_len >= limit:
+        too_long = prompt_len >= limit
+        over = gen.max_tokens is not None and prompt_len + gen.max_tokens > limit
+        if self.kind == "llama-server":
+            # llama.cpp rejects only prompts that do not fit; generation stops at the
+            # context's end instead ("length").
+            if not too_long:
+                return None
+            body = {
+                "error": {
+                    "code": 400,
+                    "message": "the request exceeds the available context size, try increasing it",
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": prompt_len,
+                    "n_ctx": limit,
+                }
+            }
+            return web.Response(status=400, body=_enc(body), content_type=_JSON)
+        if self.kind == "sglang":
+            if too_long:
+                return self.error(
+                    400,
+                    f"The input ({prompt_len} tokens) is longer than the model's context "
+                    f"length ({limit} tokens).",
+                )
+            if over:
+                return self.error(
+                    400,
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{limit} tokens. You requested a total of {prompt_len + (gen.max_tokens or 0)} "
+                    f"tokens: {prompt_len} tokens from the input messages and {gen.max_tokens} "
+                    "tokens for the completion. Please reduce the number of tokens in the input "
+                    "messages or the completion to fit within the limit.",
+                )
+            return None
+        if too_long:
             return self.error(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your request "
                 f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
             )
-        if gen.max_tokens is not None and prompt_len + gen.max_tokens > limit:
+        if over:
             return self.error(
                 400,
                 f"'max_tokens' or 'max_completion_tokens' is too large: {gen.max_tokens}. "
@@ -681,8 +717,9 @@ def _token_json(token: str) -> bytes:
 
 def _embedding(item: str | list[int], dim: int) -> list[float]:
     """A deterministic unit vector derived from the input."""
-    seed = hash(item if isinstance(item, str) else tuple(item)) & 0xFFFFFFFF
-    rng = random.Random(seed)
+    # A stable digest (not hash()) so every process gives the same vector.
+    raw = item.encode() if isinstance(item, str) else b",".join(b"%d" % t for t in item)
+    rng = random.Random(hashlib.blake2b(raw, digest_size=8).digest())
     vec = [rng.uniform(-1.0, 1.0) for _ in range(dim)]
     norm = math.sqrt(sum(v * v for v in vec)) or 1.0
     return [v / norm for v in vec]
