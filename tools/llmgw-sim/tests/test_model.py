@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,6 +115,22 @@ def test_timing_prefill_shrinks_with_cached_prefix() -> None:
     assert t.time_to_first_token(100, 0) == pytest.approx(0.2)
     assert t.time_to_first_token(100, 96) == pytest.approx(0.104)
     assert t.decode_time(11) == pytest.approx(0.1)
+
+
+def test_load_scale_stretches_times_as_slots_fill() -> None:
+    t = Timing(load_factor=3.0)
+    assert t.load_scale(1, 5) == 1.0
+    assert t.load_scale(3, 5) == pytest.approx(2.0)
+    assert t.load_scale(5, 5) == pytest.approx(3.0)
+    assert t.load_scale(1, 1) == 3.0
+    assert Timing().load_scale(5, 5) == 1.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.integers(0, 2**32))
+def test_jitter_stays_within_bounds(mean: float, std: float, seed: int) -> None:
+    value = Timing.jitter(mean, std, random.Random(seed))
+    assert 0.3 * mean - 1e-12 <= value <= 1.7 * mean + 1e-12
 
 
 @pytest.mark.parametrize(

@@ -212,8 +212,16 @@ def test_metrics_count_tokens_under_vllm_names(vllm: Sim, client: httpx.Client) 
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
         "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
+        "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+        "vllm:request_params_max_tokens_bucket", "vllm:time_per_output_token_seconds_bucket",
     ):  # fmt: skip
         assert f'{name}{{engine="0",model_name="m"' in text, name
+    assert 'vllm:cache_config_info{block_size="16"' in text
+    # 1-2-5 token buckets stop at --max-model-len (512).
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",model_name="m",le="500.0"}' in text
+    assert 'le="1000.0"' not in text
 
 
 def test_prefix_cache_hits_on_repeated_prompt(vllm: Sim, client: httpx.Client) -> None:

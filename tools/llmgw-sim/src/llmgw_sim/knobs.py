@@ -28,6 +28,9 @@ class Knobs:
     ttft: float = 0.0
     itl: float = 0.0
     prefill_per_token: float = 0.0
+    ttft_std_dev: float = 0.0
+    itl_std_dev: float = 0.0
+    time_factor_under_load: float = 1.0
     output_len: int | None = None
     default_max_tokens: int = 16
     mode: str = "random"
@@ -59,6 +62,9 @@ _HELP: dict[str, str] = {
     "ttft": "base time to first token, seconds",
     "itl": "inter-token latency, seconds",
     "prefill_per_token": "extra time to first token per prompt token not found in the prefix cache",
+    "ttft_std_dev": "standard deviation of time to first token (kept within 30-170% of it)",
+    "itl_std_dev": "standard deviation of inter-token latency (kept within 30-170% of it)",
+    "time_factor_under_load": "times stretch up to this factor as batch slots fill (>= 1)",
     "output_len": "tokens to generate (capped by the request's max_tokens)",
     "default_max_tokens": "tokens to generate when neither the request nor --sim-output-len says",
     "mode": "response text: 'random' (seeded words) or 'echo' (repeat the prompt)",
@@ -179,6 +185,8 @@ def _check(name: str, source: str, value: object) -> None:
         raise KnobError(f"{source}: must be between 0 and 1, got {value}")
     if name == "error_status" and not 400 <= value <= 599:
         raise KnobError(f"{source}: must be an HTTP error status (400-599), got {value}")
+    if name == "time_factor_under_load" and value < 1:
+        raise KnobError(f"{source}: must be >= 1, got {value}")
     if name == "exit_code" and not 1 <= value <= 255:
         raise KnobError(f"{source}: must be between 1 and 255, got {value}")
     if value < 0:

@@ -74,7 +74,36 @@ class Stats:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prefill_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    decode_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    inference_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # Token-count histograms use vLLM's 1-2-5 buckets up to max_model_len.
+    prompt_len: Histogram = field(default_factory=lambda: Histogram(buckets_1_2_5(32768)))
+    gen_len: Histogram = field(default_factory=lambda: Histogram(buckets_1_2_5(32768)))
+    max_tokens_param: Histogram = field(default_factory=lambda: Histogram(buckets_1_2_5(32768)))
     decode_steps: int = 0
+    cache_info: dict[str, str] = field(default_factory=dict)
+
+    def size_token_histograms(self, max_model_len: int) -> None:
+        bounds = buckets_1_2_5(max_model_len)
+        self.prompt_len = Histogram(bounds)
+        self.gen_len = Histogram(bounds)
+        self.max_tokens_param = Histogram(bounds)
+
+
+def buckets_1_2_5(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit``, as vLLM builds its token buckets."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * scale
+            if value > limit:
+                return tuple(out)
+            out.append(float(value))
+        scale *= 10
 
 
 def _counter(out: list[str], name: str, help_: str, labels: str, value: float) -> None:
@@ -102,87 +131,65 @@ def _escape(value: str) -> str:
 def render_vllm(stats: Stats, model_name: str) -> str:
     lbl = f'engine="0",model_name="{_escape(model_name)}"'
     out: list[str] = []
-    _gauge(
-        out,
-        "vllm:num_requests_running",
-        "Number of requests in model execution batches.",
-        lbl,
-        stats.running(),
-    )
-    _gauge(
-        out,
-        "vllm:num_requests_waiting",
-        "Number of requests waiting to be processed.",
-        lbl,
-        stats.waiting(),
-    )
-    _gauge(
-        out,
-        "vllm:kv_cache_usage_perc",
-        "KV-cache usage. 1 means 100 percent usage.",
-        lbl,
-        stats.kv_usage(),
-    )
-    _counter(
-        out,
-        "vllm:prefix_cache_queries_total",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        lbl,
-        stats.prefix_queries(),
-    )
-    _counter(
-        out,
-        "vllm:prefix_cache_hits_total",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        lbl,
-        stats.prefix_hits(),
-    )
-    _counter(
-        out,
-        "vllm:num_preemptions_total",
-        "Cumulative number of preemption from the engine.",
-        lbl,
-        0,
-    )
-    _counter(
-        out,
-        "vllm:prompt_tokens_total",
-        "Number of prefill tokens processed.",
-        lbl,
-        stats.prompt_tokens,
-    )
-    _counter(
-        out,
-        "vllm:generation_tokens_total",
-        "Number of generation tokens processed.",
-        lbl,
-        stats.generation_tokens,
-    )
+    gauges = (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.",
+         stats.running()),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+         stats.waiting()),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+         stats.kv_usage()),
+    )  # fmt: skip
+    for name, help_, value in gauges:
+        _gauge(out, name, help_, lbl, value)
+    if stats.cache_info:
+        info = ",".join(f'{k}="{_escape(v)}"' for k, v in stats.cache_info.items())
+        _gauge(out, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, 1)
+    counters = (
+        ("vllm:prefix_cache_queries_total",
+         "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_queries()),
+        ("vllm:prefix_cache_hits_total",
+         "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_hits()),
+        ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+        ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens),
+        ("vllm:generation_tokens_total", "Number of generation tokens processed.",
+         stats.generation_tokens),
+    )  # fmt: skip
+    for name, help_, value in counters:
+        _counter(out, name, help_, lbl, value)
     out.append("# HELP vllm:request_success_total Count of successfully processed requests.")
     out.append("# TYPE vllm:request_success_total counter")
     for reason, count in stats.requests_ok.items():
         out.append(f'vllm:request_success_total{{{lbl},finished_reason="{reason}"}} {float(count)}')
-    _hist(
-        out,
-        "vllm:time_to_first_token_seconds",
-        "Histogram of time to first token in seconds.",
-        lbl,
-        stats.ttft,
-    )
-    _hist(
-        out,
-        "vllm:inter_token_latency_seconds",
-        "Histogram of inter-token latency in seconds.",
-        lbl,
-        stats.itl,
-    )
-    _hist(
-        out,
-        "vllm:e2e_request_latency_seconds",
-        "Histogram of e2e request latency in seconds.",
-        lbl,
-        stats.e2e,
-    )
+    histograms = (
+        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+         stats.ttft),
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+         stats.itl),
+        ("vllm:time_per_output_token_seconds",
+         "Histogram of time per output token in seconds (deprecated name of inter-token "
+         "latency).", stats.itl),
+        ("vllm:request_time_per_output_token_seconds",
+         "Histogram of time_per_output_token_seconds per request.", stats.tpot),
+        ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+         stats.e2e),
+        ("vllm:request_queue_time_seconds",
+         "Histogram of time spent in WAITING phase for request.", stats.queue_time),
+        ("vllm:request_inference_time_seconds",
+         "Histogram of time spent in RUNNING phase for request.", stats.inference_time),
+        ("vllm:request_prefill_time_seconds",
+         "Histogram of time spent in PREFILL phase for request.", stats.prefill_time),
+        ("vllm:request_decode_time_seconds",
+         "Histogram of time spent in DECODE phase for request.", stats.decode_time),
+        ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", stats.prompt_len),
+        ("vllm:request_generation_tokens", "Number of generation tokens processed.",
+         stats.gen_len),
+        ("vllm:request_max_num_generation_tokens",
+         "Histogram of maximum number of requested generation tokens.", stats.gen_len),
+        ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+         stats.max_tokens_param),
+    )  # fmt: skip
+    for name, help_, hist in histograms:
+        _hist(out, name, help_, lbl, hist)
     return "\n".join(out) + "\n"
 
 

@@ -6,6 +6,7 @@ server wires it to asyncio.
 
 from __future__ import annotations
 
+import random
 import re
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
@@ -305,17 +306,40 @@ class BatchSlots:
 
 @dataclass(frozen=True)
 class Timing:
-    """Token pace: time to first token grows with the prompt part not in the cache."""
+    """Token pace: time to first token grows with the prompt part not in the cache.
+
+    Optional jitter (a normal draw, kept within 30%..170% of the mean, as
+    llm-d-inference-sim bounds it) and a slow-down under load: with
+    ``load_factor`` f, times stretch linearly from x1 with one running sequence
+    to xf with every batch slot busy.
+    """
 
     ttft: float = 0.0
     itl: float = 0.0
     prefill_per_token: float = 0.0
+    ttft_std: float = 0.0
+    itl_std: float = 0.0
+    load_factor: float = 1.0
 
     def time_to_first_token(self, prompt_tokens: int, cached_tokens: int) -> float:
         return self.ttft + self.prefill_per_token * max(0, prompt_tokens - cached_tokens)
 
     def decode_time(self, output_tokens: int) -> float:
         return self.itl * max(0, output_tokens - 1)
+
+    def load_scale(self, running: int, max_running: int) -> float:
+        if self.load_factor == 1.0:
+            return 1.0
+        if max_running <= 1:
+            return self.load_factor  # the one slot is all slots
+        busy = min(1.0, max(0, running - 1) / (max_running - 1))
+        return 1.0 + (self.load_factor - 1.0) * busy
+
+    @staticmethod
+    def jitter(mean: float, std: float, rng: random.Random) -> float:
+        if std <= 0 or mean <= 0:
+            return mean
+        return min(1.7 * mean, max(0.3 * mean, rng.gauss(mean, std)))
 
 
 def output_length(

@@ -72,7 +72,15 @@ class Engine:
         self.kind = config.kind
         knobs = config.knobs
         self.knobs = knobs
-        self.timing = Timing(knobs.ttft, knobs.itl, knobs.prefill_per_token)
+        self.timing = Timing(
+            knobs.ttft,
+            knobs.itl,
+            knobs.prefill_per_token,
+            knobs.ttft_std_dev,
+            knobs.itl_std_dev,
+            knobs.time_factor_under_load,
+        )
+        self._jitter_rng = random.Random(knobs.seed + 1)
         capacity_blocks = max(1, knobs.kv_cache_tokens // config.block_size)
         self.cache = PrefixCache(config.block_size, capacity_blocks, enabled=config.prefix_caching)
         self.slots = BatchSlots(config.max_num_seqs)
@@ -85,6 +93,14 @@ class Engine:
             prefix_queries=lambda: self.cache.queries,
             prefix_hits=lambda: self.cache.hits,
         )
+        self.stats.size_token_histograms(config.max_model_len)
+        self.stats.cache_info = {
+            "block_size": str(config.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(config.prefix_caching),
+            "gpu_memory_utilization": str(config.memory_fraction or 0.9),
+            "num_gpu_blocks": str(capacity_blocks),
+        }
         self.ready = False
         self.draining = False
         self.completed = 0
@@ -119,6 +135,25 @@ class Engine:
             fut = self._waiters.pop(started, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
+
+    def _scale(self) -> float:
+        return self.timing.load_scale(self.slots.running, self.slots.max_running)
+
+    def prefill_delay(self, prompt_len: int, cached: int) -> float:
+        t = self.timing
+        base = t.jitter(t.ttft, t.ttft_std, self._jitter_rng)
+        return (base + t.prefill_per_token * max(0, prompt_len - cached)) * self._scale()
+
+    def token_delay(self) -> float:
+        t = self.timing
+        return t.jitter(t.itl, t.itl_std, self._jitter_rng) * self._scale()
+
+    def decode_delay(self, count: int) -> float:
+        if count <= 1 or self.timing.itl <= 0:
+            return 0.0
+        if self.timing.itl_std <= 0:
+            return self.timing.decode_time(count) * self._scale()
+        return sum(self.token_delay() for _ in range(count - 1))
 
     def finished(self, reason: str) -> None:
         self.stats.requests_ok[reason] = self.stats.requests_ok.get(reason, 0) + 1
@@ -496,34 +531,46 @@ class Api:
             out_tokens = generate_tokens(count, knobs.seed + prompt_len)
 
         rid = await eng.acquire()
+        started = time.monotonic()
         kv_held = prompt_len
         eng.kv_tokens_in_use += kv_held
+        stats = eng.stats
         try:
             cached, hashes = eng.cache.lookup(prompt)
-            delay = eng.timing.time_to_first_token(prompt_len, cached)
+            delay = eng.prefill_delay(prompt_len, cached)
             if delay > 0:
                 await asyncio.sleep(delay)
             eng.cache.insert(hashes)
             first_token_at = time.monotonic()
-            eng.stats.ttft.observe(first_token_at - arrival)
-            eng.stats.prompt_tokens += prompt_len
-            eng.stats.prompt_seconds += first_token_at - arrival
+            stats.ttft.observe(first_token_at - arrival)
+            stats.prompt_tokens += prompt_len
+            stats.prompt_seconds += first_token_at - started
             eng.kv_tokens_in_use += count
             kv_held += count
             if gen.stream:
                 resp = await self._stream(request, gen, out_tokens, finish, prompt_len, stall_after)
             else:
-                decode = eng.timing.decode_time(count)
+                decode = eng.decode_delay(count)
                 if decode > 0:
                     await asyncio.sleep(decode)
                 resp = self._full(gen, out_tokens, finish, prompt_len)
             done = time.monotonic()
-            eng.stats.generation_tokens += count
-            eng.stats.decode_seconds += done - first_token_at
-            eng.stats.decode_steps += count
+            stats.generation_tokens += count
+            stats.decode_seconds += done - first_token_at
+            stats.decode_steps += count
             if count > 1:
-                eng.stats.itl.observe_many((done - first_token_at) / (count - 1), count - 1)
-            eng.stats.e2e.observe(done - arrival)
+                per_token = (done - first_token_at) / (count - 1)
+                stats.itl.observe_many(per_token, count - 1)
+                stats.tpot.observe(per_token)
+            stats.e2e.observe(done - arrival)
+            stats.queue_time.observe(started - arrival)
+            stats.prefill_time.observe(first_token_at - started)
+            stats.decode_time.observe(done - first_token_at)
+            stats.inference_time.observe(done - started)
+            stats.prompt_len.observe(prompt_len)
+            stats.gen_len.observe(count)
+            if gen.max_tokens is not None:
+                stats.max_tokens_param.observe(gen.max_tokens)
             eng.finished(finish)
         except asyncio.CancelledError:
             # The client went away (or shutdown ran out of grace).
@@ -681,7 +728,7 @@ class Api:
                     await resp.write(b"".join(parts))
                     parts.clear()
                     if i < n - 1:
-                        await asyncio.sleep(itl)
+                        await asyncio.sleep(eng.token_delay())
             if limit < n:
                 if parts:
                     await resp.write(b"".join(parts))
