@@ -89,7 +89,7 @@ class ControlProcess:
                     "admin_listen": f"127.0.0.1:{self.admin_port}",
                     "tls": {"insecure": True},
                     "control": {
-                        "interval": "1s",
+                        "interval": "5s",
                         "heartbeat_interval": f"{heartbeat}s",
                         "unreachable_after": f"{max(10.0, heartbeat * 5)}s",
                         "lost_after": "10m",
@@ -279,6 +279,27 @@ class SimAgent:
 
 _BUCKET = re.compile(r'^llmgw_control_heartbeat_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 _COUNT = re.compile(r"^llmgw_control_heartbeats_total (\S+)$", re.M)
+_RECONCILE = re.compile(r"^llmgw_control_reconcile_seconds_(sum|count) (\S+)$", re.M)
+
+
+def reconcile_totals(text: str) -> dict[str, float]:
+    return {k: float(v) for k, v in _RECONCILE.findall(text)}
+
+
+class LoopLag:
+    """How late this process's own event loop wakes up: the fleet's side of the lag."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            self.samples.append(time.monotonic() - t - 0.01)
+
+    def p99(self) -> float:
+        return statistics.quantiles(self.samples, n=100)[98] if len(self.samples) > 100 else 0.0
 
 
 def histogram(text: str) -> list[tuple[float, float]]:
@@ -349,9 +370,18 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         await asyncio.sleep(args.heartbeat * 2)
         before = await control.metrics()
         t1 = time.monotonic()
+        lag = LoopLag()
+        lag_task = asyncio.create_task(lag.run())
         await asyncio.sleep(args.window)
+        lag_task.cancel()
         after = await control.metrics()
         elapsed = time.monotonic() - t1
+        r0, r1 = reconcile_totals(before), reconcile_totals(after)
+        if r1.get("count", 0) > r0.get("count", 0):
+            results["reconcile pass, mean during the window (ms)"] = (
+                (r1["sum"] - r0["sum"]) / (r1["count"] - r0["count"]) * 1e3
+            )
+        results["fleet process's own loop lag p99 (ms)"] = lag.p99() * 1e3
         results["heartbeats handled per second"] = (
             heartbeat_count(after) - heartbeat_count(before)
         ) / elapsed

@@ -346,7 +346,7 @@ async def test_status_and_explain_commands(
 
     out = await cli("explain", "small")
     assert "ready  on gpu-a" in out.stdout
-    assert "why: 1 of 1 nodes fit; chose gpu-a" in out.stdout
+    assert "why: 1 of 1 nodes have 1 or more free GPUs; chose gpu-a, the fullest" in out.stdout
 
     out = await cli("explain", "nope")
     assert out.returncode == 1

@@ -24,7 +24,7 @@ from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, Node, NodeState
 from llmgw_control.metrics import Metrics
 from llmgw_control.placement import host_for_url
-from llmgw_control.publish import Publisher
+from llmgw_control.publish import EndpointInfo, Publisher
 from llmgw_control.reconciler import (
     Command,
     ControlState,
@@ -87,6 +87,7 @@ class Controller:
         self._sent: dict[str, Command] = {}
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
+        self.metrics.count_fleet(self.node_counts, self.replica_counts)
 
     # --- agent events ---------------------------------------------------------------
 
@@ -168,7 +169,6 @@ class Controller:
         self.inventory.prune(
             {p.shard_id for r in self.state.replicas.values() for p in r.shards}, now
         )
-        self._gauges(now)
         self.metrics.reconciles.inc()
         self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 
@@ -243,7 +243,7 @@ class Controller:
 
     # --- what is published and shown ------------------------------------------------
 
-    def endpoints(self) -> list[v1.Endpoint]:
+    def endpoints(self) -> list[EndpointInfo]:
         out = []
         for r in self.state.replicas.values():
             if r.draining or not r.complete or not r.placed:
@@ -260,32 +260,34 @@ class Controller:
             if profile is None:
                 continue
             out.append(
-                v1.Endpoint(
+                EndpointInfo(
                     id=r.replica_id,
                     url=f"http://{host_for_url(leader.address)}:{leader.port}",
-                    served_model_names=list(profile.served_model_names),
+                    served_model_names=profile.served_model_names,
                     model=r.model,
                     profile=r.profile,
                     weight=profile.weight,
                     node_id=node.node_id,
-                    labels=dict(node.labels),
+                    labels=tuple(sorted(node.labels.items())),
                     replica_id=r.replica_id,
                     health_path=HEALTH_PATH,
                 )
             )
         return out
 
-    def _gauges(self, now: float) -> None:
-        counts = dict.fromkeys(NodeState, 0)
+    def node_counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in NodeState}
         for node in self.inventory.nodes.values():
-            counts[node.state] += 1
-        for state, count in counts.items():
-            self.metrics.nodes.labels(state.value).set(count)
-        self.metrics.replicas.clear()
+            counts[node.state.value] += 1
+        return counts
+
+    def replica_counts(self) -> dict[tuple[str, str, str], int]:
+        now = time.monotonic()
+        counts: dict[tuple[str, str, str], int] = {}
         for r in self.state.replicas.values():
-            self.metrics.replicas.labels(
-                r.model, r.profile, replica_state(r, self.inventory.nodes, now)
-            ).inc()
+            key = (r.model, r.profile, replica_state(r, self.inventory.nodes, now))
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["Metrics"]
+
+# (model, profile, state) -> replicas; state -> nodes.
+ReplicaCounts = Callable[[], Mapping[tuple[str, str, str], int]]
+NodeCounts = Callable[[], Mapping[str, int]]
+
+
+class _FleetCollector(Collector):
+    """Node and replica counts, computed when scraped rather than on every pass."""
+
+    def __init__(self, nodes: NodeCounts, replicas: ReplicaCounts) -> None:
+        self.nodes = nodes
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        nodes = GaugeMetricFamily("llmgw_control_nodes", "Nodes by state.", labels=["state"])
+        for state, count in sorted(self.nodes().items()):
+            nodes.add_metric([state], count)
+        yield nodes
+        replicas = GaugeMetricFamily(
+            "llmgw_control_replicas", "Replicas by state.", labels=["model", "profile", "state"]
+        )
+        for key, count in sorted(self.replicas().items()):
+            replicas.add_metric(list(key), count)
+        yield replicas
+
 
 # Heartbeat lag is dominated by event-loop delay: resolve the low milliseconds finely.
 _LAG_BUCKETS = (
@@ -52,3 +81,6 @@ class Metrics:
         self.published = Gauge(
             "llmgw_control_published_endpoints", "Endpoints in the snapshot.", registry=r
         )
+
+    def count_fleet(self, nodes: NodeCounts, replicas: ReplicaCounts) -> None:
+        self.registry.register(_FleetCollector(nodes, replicas))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import grpclib.const
 import grpclib.server
@@ -19,31 +20,63 @@ from llmgw_proto import v1
 
 from llmgw_control.metrics import Metrics
 
-__all__ = ["Publisher"]
+__all__ = ["EndpointInfo", "Publisher"]
 
 log = structlog.get_logger(__name__)
+
+
+class EndpointInfo(NamedTuple):
+    """One published endpoint; ordered by id, compared as a plain tuple."""
+
+    id: str
+    url: str
+    served_model_names: tuple[str, ...]
+    model: str
+    profile: str
+    weight: int
+    node_id: str
+    labels: tuple[tuple[str, str], ...]
+    replica_id: str
+    health_path: str
+
+    def message(self) -> v1.Endpoint:
+        return v1.Endpoint(
+            id=self.id,
+            url=self.url,
+            served_model_names=list(self.served_model_names),
+            model=self.model,
+            profile=self.profile,
+            weight=self.weight,
+            node_id=self.node_id,
+            labels=dict(self.labels),
+            replica_id=self.replica_id,
+            health_path=self.health_path,
+        )
 
 
 class Publisher:
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.version = int(time.time() * 1000)
-        self.endpoints: tuple[v1.Endpoint, ...] = ()
-        self._key: tuple[bytes, ...] = ()
+        self.endpoints: tuple[EndpointInfo, ...] = ()
+        self._snapshot: v1.EndpointSnapshot | None = None
         self._subscribers: set[asyncio.Event] = set()
         self._metrics = metrics
         if metrics is not None:
             metrics.publish_version.set(self.version)
 
     def snapshot(self) -> v1.EndpointSnapshot:
-        return v1.EndpointSnapshot(version=self.version, endpoints=list(self.endpoints))
+        if self._snapshot is None or self._snapshot.version != self.version:
+            self._snapshot = v1.EndpointSnapshot(
+                version=self.version, endpoints=[e.message() for e in self.endpoints]
+            )
+        return self._snapshot
 
-    def update(self, endpoints: Sequence[v1.Endpoint]) -> bool:
+    def update(self, endpoints: Sequence[EndpointInfo]) -> bool:
         """Publish ``endpoints`` if they differ from the current set; True if they did."""
-        ordered = tuple(sorted(endpoints, key=lambda e: e.id))
-        key = tuple(bytes(e) for e in ordered)
-        if key == self._key:
+        # Plain tuples compare fast; proto messages are built only for a new version.
+        ordered = tuple(sorted(endpoints))
+        if ordered == self.endpoints:
             return False
-        self._key = key
         self.endpoints = ordered
         self.version = max(self.version + 1, int(time.time() * 1000))
         for event in self._subscribers:

@@ -11,10 +11,10 @@ that runs it lives in :mod:`llmgw_control.controller`.
 
 from __future__ import annotations
 
-import copy
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmgw_proto import v1
 from llmgw_proto.backoff import exponential
@@ -180,8 +180,8 @@ def _clone(state: ControlState) -> ControlState:
     """A copy the pass may change freely (cheaper than deepcopy on a large fleet)."""
     replicas = {}
     for rid, r in state.replicas.items():
-        twin = copy.copy(r)
-        twin.shards = [copy.copy(p) for p in r.shards]
+        twin = _shallow(r)
+        twin.shards = [_shallow(p) for p in r.shards]
         replicas[rid] = twin
     return ControlState(
         replicas=replicas,
@@ -190,6 +190,16 @@ def _clone(state: ControlState) -> ControlState:
         started_at=state.started_at,
         passes=state.passes,
     )
+
+
+T = TypeVar("T")
+
+
+def _shallow(obj: T) -> T:
+    # copy.copy goes through __reduce_ex__; this is several times faster per object.
+    twin: T = object.__new__(type(obj))
+    twin.__dict__.update(obj.__dict__)
+    return twin
 
 
 def unsend(state: ControlState, command: Command) -> None:
