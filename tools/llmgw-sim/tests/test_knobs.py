@@ -34,6 +34,8 @@ def test_flag_beats_environment() -> None:
         ([("--sim-error-status", "200")], {}, "must be an HTTP error status"),
         ([("--sim-ttft", None)], {}, "--sim-ttft: expected a value"),
         ([("--sim-itl", "nan")], {}, "expected a finite number"),
+        ([("--sim-error-types", "rate_limit,boom")], {}, "unknown failure type"),
+        ([("--sim-time-factor-under-load", "0.5")], {}, "must be >= 1"),
     ],
 )
 def test_bad_knobs_are_named(

@@ -16,7 +16,7 @@ KEY = "sekrit"
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     args = [
         "--served-model-name", "m", "m-alias", "--max-model-len", "512", "--api-key", KEY,
-        "--sim-embedding-dim", "8",
+        "--sim-embedding-dim", "8", "--enable-request-id-headers",
     ]  # fmt: skip
     with start(tmp_path_factory.mktemp("vllm"), "vllm", args) as sim:
         yield sim
@@ -239,3 +239,45 @@ def test_prefix_cache_hits_on_repeated_prompt(vllm: Sim, client: httpx.Client) -
     assert vllm.metric("vllm:prefix_cache_hits_total") <= vllm.metric(
         "vllm:prefix_cache_queries_total"
     )
+
+
+def test_tokenize_detokenize_round_trip(vllm: Sim, client: httpx.Client) -> None:
+    r = client.post(vllm.url + "/tokenize", json={"model": "m", "prompt": "Hello, world!"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == 4
+    assert body["max_model_len"] == 512
+    r = client.post(vllm.url + "/detokenize", json={"model": "m", "tokens": body["tokens"]})
+    assert r.json() == {"prompt": "Hello, world!"}
+    r = client.post(vllm.url + "/detokenize", json={"tokens": "abc"})
+    assert r.status_code == 400
+
+
+def test_ignore_eos_runs_to_the_context_limit(vllm: Sim, client: httpx.Client) -> None:
+    r = client.post(
+        vllm.url + "/v1/chat/completions",
+        headers=auth(),
+        json={"model": "m", "messages": [{"role": "user", "content": "go"}], "ignore_eos": True},
+    )
+    usage = r.json()["usage"]
+    assert usage["total_tokens"] == 512
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_named_failure_type_and_request_id_header(vllm: Sim, client: httpx.Client) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    r = client.post(
+        vllm.url + "/v1/chat/completions",
+        headers={**auth(), "X-Sim-Error": "rate_limit"},
+        json=body,
+    )
+    assert r.status_code == 429
+    r = client.post(
+        vllm.url + "/v1/chat/completions", headers={**auth(), "X-Sim-Error": "teapot"}, json=body
+    )
+    assert r.status_code == 400
+    assert "rate_limit" in r.json()["error"]["message"]
+    r = client.post(
+        vllm.url + "/v1/chat/completions", headers={**auth(), "X-Request-Id": "req-42"}, json=body
+    )
+    assert r.headers["X-Request-Id"] == "req-42"

@@ -53,6 +53,7 @@ class EngineConfig:
     base_gpu_id: int = 0
     memory_fraction: float | None = None
     seed: int = 0
+    request_id_headers: bool = False
     non_default_args: dict[str, object] = field(default_factory=dict)
     knobs: Knobs = field(default_factory=Knobs)
 
@@ -146,6 +147,7 @@ def from_args(kind: EngineKind, ns: argparse.Namespace, knobs: Knobs) -> EngineC
             master_port=ns.master_port,
             memory_fraction=ns.gpu_memory_utilization,
             seed=ns.seed,
+            request_id_headers=ns.enable_request_id_headers,
             non_default_args=non_default,
             knobs=knobs,
         )

@@ -47,6 +47,7 @@ class Knobs:
     crash_message: str = "CUDA error: an illegal memory access was encountered"
     error_rate: float = 0.0
     error_status: int = 500
+    error_types: str = ""
     stall_after_tokens: int | None = None
     shutdown_grace: float = 30.0
     embedding_dim: int = 32
@@ -81,6 +82,9 @@ _HELP: dict[str, str] = {
     "crash_message": "root-cause message printed when crashing",
     "error_rate": "fraction of inference requests answered with --sim-error-status",
     "error_status": "HTTP status used by --sim-error-rate",
+    "error_types": "comma-separated failure types for --sim-error-rate instead of one status: "
+    "rate_limit, invalid_api_key, context_length, server_error, invalid_request, "
+    "model_not_found",
     "stall_after_tokens": "streams stop sending (but stay open) after this many tokens",
     "shutdown_grace": "seconds running requests get to finish after SIGTERM",
     "embedding_dim": "length of the vectors /v1/embeddings returns",
@@ -176,7 +180,25 @@ _POSITIVE = {"kv_cache_tokens", "block_size", "num_gpus", "embedding_dim", "gpu_
 _FRACTIONS = {"free_memory_fraction", "error_rate"}
 
 
+# Named failures (llm-d-inference-sim's failure types): status and message.
+FAILURE_TYPES: dict[str, tuple[int, str]] = {
+    "rate_limit": (429, "Rate limit reached, please retry later."),
+    "invalid_api_key": (401, "Incorrect API key provided."),
+    "context_length": (400, "This model's maximum context length was exceeded."),
+    "server_error": (503, "The server is overloaded or not ready yet."),
+    "invalid_request": (400, "Invalid request: simulated rejection."),
+    "model_not_found": (404, "The model does not exist."),
+}
+
+
 def _check(name: str, source: str, value: object) -> None:
+    if name == "error_types" and isinstance(value, str):
+        unknown = [t for t in value.split(",") if t and t not in FAILURE_TYPES]
+        if unknown:
+            raise KnobError(
+                f"{source}: unknown failure type(s) {', '.join(unknown)}; expected "
+                f"{', '.join(FAILURE_TYPES)}"
+            )
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
     if name in _POSITIVE and value <= 0:

@@ -185,6 +185,33 @@ def generate_tokens(count: int, seed: int) -> list[str]:
     return out
 
 
+class Vocabulary:
+    """Token ids for the crude tokenizer: stable within a process, reversible for /detokenize."""
+
+    def __init__(self, limit: int = 1 << 20) -> None:
+        self._ids: dict[str, int] = {}
+        self._strs: list[str] = []
+        self._limit = limit
+
+    def encode(self, tokens: Iterable[str]) -> list[int]:
+        out: list[int] = []
+        for tok in tokens:
+            tid = self._ids.get(tok)
+            if tid is None:
+                if len(self._strs) >= self._limit:
+                    tid = 0  # vocabulary full: unknown token
+                else:
+                    tid = len(self._strs)
+                    self._ids[tok] = tid
+                    self._strs.append(tok)
+            out.append(tid)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        strs = self._strs
+        return "".join(strs[i] if 0 <= i < len(strs) else "" for i in ids)
+
+
 def echo_tokens(prompt_tokens: Sequence[str], count: int) -> list[str]:
     """The prompt's own tokens, repeated to ``count`` tokens (echo mode)."""
     if not prompt_tokens:
@@ -349,11 +376,14 @@ def output_length(
     default_max_tokens: int,
     prompt_tokens: int,
     max_model_len: int,
+    ignore_eos: bool = False,
 ) -> tuple[int, str]:
     """How many tokens to generate and the finish reason ("length" or "stop")."""
     room = max(0, max_model_len - prompt_tokens)
     cap = room if requested_max is None else min(requested_max, room)
-    if sim_output_len is not None:
+    if ignore_eos:
+        want = cap  # no end-of-sequence: run to the limit
+    elif sim_output_len is not None:
         want = sim_output_len
     elif requested_max is not None:
         want = requested_max

@@ -26,6 +26,7 @@ class Generation:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,15 @@ def parse_chat(body: dict[str, Any]) -> Generation:
         max_tokens = _opt_int(body, "max_tokens", 1)
     stream, include_usage, continuous = _common(body)
     return Generation(
-        "chat", model, "".join(pieces), None, max_tokens, stream, include_usage, continuous
+        "chat",
+        model,
+        "".join(pieces),
+        None,
+        max_tokens,
+        stream,
+        include_usage,
+        continuous,
+        _opt_bool(body, "ignore_eos"),
     )
 
 
@@ -173,7 +182,26 @@ def parse_completion(body: dict[str, Any]) -> Generation:
     if "max_tokens" not in body:
         max_tokens = 16
     stream, include_usage, continuous = _common(body)
-    return Generation("completion", model, text, ids, max_tokens, stream, include_usage, continuous)
+    return Generation(
+        "completion",
+        model,
+        text,
+        ids,
+        max_tokens,
+        stream,
+        include_usage,
+        continuous,
+        _opt_bool(body, "ignore_eos"),
+    )
+
+
+def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, str | list[int]]:
+    """vLLM's /tokenize: a completion-style prompt or chat messages."""
+    if "messages" in body:
+        gen = parse_chat({**body, "stream": False, "stream_options": None})
+        return gen.model, gen.prompt_text
+    gen = parse_completion({**body, "stream": False, "stream_options": None})
+    return gen.model, gen.prompt_ids if gen.prompt_ids is not None else gen.prompt_text
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingReq:

@@ -18,10 +18,12 @@ from aiohttp import web
 
 from llmgw_sim import metrics
 from llmgw_sim.config import EngineConfig
+from llmgw_sim.knobs import FAILURE_TYPES
 from llmgw_sim.model import (
     BatchSlots,
     PrefixCache,
     Timing,
+    Vocabulary,
     echo_tokens,
     generate_tokens,
     output_length,
@@ -34,6 +36,7 @@ from llmgw_sim.protocol import (
     parse_chat,
     parse_completion,
     parse_embedding,
+    parse_tokenize,
 )
 
 ERROR_HEADER = "X-Sim-Error"
@@ -109,10 +112,12 @@ class Engine:
         self._next_rid = 0
         self._id_prefix = os.urandom(6).hex()
         self._rng = random.Random(knobs.seed)
+        self._error_types = [t for t in knobs.error_types.split(",") if t]
         self._on_crash = on_crash
         self._names = set(config.served_names)
         self._auth = {f"Bearer {k}" for k in config.api_keys}
         self._model_json = _enc(config.primary_name)
+        self.vocab = Vocabulary()
 
     # ----- scheduling -------------------------------------------------------
 
@@ -225,17 +230,31 @@ class Engine:
     def injected_error(self, request: web.Request) -> web.Response | None:
         raw = request.headers.get(ERROR_HEADER)
         if raw is not None:
-            try:
-                status = int(raw)
-            except ValueError:
-                return self.error(400, f"{ERROR_HEADER} must be an HTTP status code, got {raw!r}")
-            if not 400 <= status <= 599:
-                return self.error(400, f"{ERROR_HEADER} must be between 400 and 599, got {status}")
-            message = request.headers.get(ERROR_MESSAGE_HEADER, f"Simulated error {status}")
-            return self.error(status, message)
+            kind = FAILURE_TYPES.get(raw.strip())
+            if kind is not None:
+                status, message = kind
+            else:
+                try:
+                    status = int(raw)
+                except ValueError:
+                    names = ", ".join(FAILURE_TYPES)
+                    return self.error(
+                        400,
+                        f"{ERROR_HEADER} must be an HTTP status or one of {names}, got {raw!r}",
+                    )
+                if not 400 <= status <= 599:
+                    return self.error(
+                        400, f"{ERROR_HEADER} must be between 400 and 599, got {status}"
+                    )
+                message = f"Simulated error {status}"
+            return self.error(status, request.headers.get(ERROR_MESSAGE_HEADER, message))
         if self.knobs.error_rate and self._rng.random() < self.knobs.error_rate:
-            status = self.knobs.error_status
-            return self.error(status, f"Simulated error {status} (--sim-error-rate)")
+            if self._error_types:
+                status, message = FAILURE_TYPES[self._rng.choice(self._error_types)]
+            else:
+                status = self.knobs.error_status
+                message = f"Simulated error {status} (--sim-error-rate)"
+            return self.error(status, message)
         return None
 
     def context_error(self, gen: Generation, prompt_len: int) -> web.Response | None:
@@ -437,6 +456,40 @@ class Api:
         }
         return web.Response(body=_enc(body), content_type=_JSON)
 
+    # ----- vLLM's tokenizer endpoints ---------------------------------------
+
+    # Outside /v1, so vLLM's --api-key does not cover them.
+    async def tokenize(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        try:
+            model, prompt = parse_tokenize(decode_body(await request.read()))
+        except BadRequest as err:
+            return eng.error(400, str(err))
+        bad = eng.check_model(model)
+        if bad is not None:
+            return bad
+        ids = prompt if isinstance(prompt, list) else eng.vocab.encode(tokenize(prompt))
+        body = {
+            "count": len(ids),
+            "max_model_len": eng.config.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        return web.Response(body=_enc(body), content_type=_JSON)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        try:
+            body = decode_body(await request.read())
+        except BadRequest as err:
+            return eng.error(400, str(err))
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            return eng.error(400, "'tokens' must be a list of token ids")
+        return web.Response(body=_enc({"prompt": eng.vocab.decode(ids)}), content_type=_JSON)
+
     # ----- embeddings -------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
@@ -524,6 +577,7 @@ class Api:
             default_max_tokens=knobs.default_max_tokens,
             prompt_tokens=prompt_len,
             max_model_len=eng.config.max_model_len,
+            ignore_eos=gen.ignore_eos,
         )
         if knobs.mode == "echo":
             out_tokens = echo_tokens([str(t) for t in prompt], count)
@@ -547,13 +601,18 @@ class Api:
             stats.prompt_seconds += first_token_at - started
             eng.kv_tokens_in_use += count
             kv_held += count
+            headers: dict[str, str] | None = None
+            if eng.config.request_id_headers:
+                headers = {"X-Request-Id": request.headers.get("X-Request-Id") or eng.new_id("")}
             if gen.stream:
-                resp = await self._stream(request, gen, out_tokens, finish, prompt_len, stall_after)
+                resp = await self._stream(
+                    request, gen, out_tokens, finish, prompt_len, stall_after, headers
+                )
             else:
                 decode = eng.decode_delay(count)
                 if decode > 0:
                     await asyncio.sleep(decode)
-                resp = self._full(gen, out_tokens, finish, prompt_len)
+                resp = self._full(gen, out_tokens, finish, prompt_len, headers)
             done = time.monotonic()
             stats.generation_tokens += count
             stats.decode_seconds += done - first_token_at
@@ -587,7 +646,12 @@ class Api:
         return resp
 
     def _full(
-        self, gen: Generation, tokens: list[str], finish: str, prompt_len: int
+        self,
+        gen: Generation,
+        tokens: list[str],
+        finish: str,
+        prompt_len: int,
+        headers: dict[str, str] | None,
     ) -> web.Response:
         eng = self.engine
         text = "".join(tokens)
@@ -650,7 +714,7 @@ class Api:
                 "usage": usage,
                 "kv_transfer_params": None,
             }
-        return web.Response(body=_enc(body), content_type=_JSON)
+        return web.Response(body=_enc(body), content_type=_JSON, headers=headers)
 
     async def _stream(
         self,
@@ -660,6 +724,7 @@ class Api:
         finish: str,
         prompt_len: int,
         stall_after: int | None,
+        headers: dict[str, str] | None,
     ) -> web.StreamResponse:
         eng = self.engine
         chat = gen.endpoint == "chat"
@@ -691,6 +756,7 @@ class Api:
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
                 "Cache-Control": "no-cache",
+                **(headers or {}),
             }
         )
         await resp.prepare(request)
@@ -788,6 +854,9 @@ def build_app(engine: Engine, *, health_only: bool = False) -> web.Application:
     r.add_post("/v1/embeddings", api.embeddings)
     if engine.kind in ("vllm", "sglang"):
         r.add_get("/version", api.version)
+    if engine.kind == "vllm":
+        r.add_post("/tokenize", api.tokenize)
+        r.add_post("/detokenize", api.detokenize)
     if engine.kind == "sglang":
         r.add_get("/get_model_info", api.model_info)
         r.add_get("/get_server_info", api.server_info)
