@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import datetime
 import json
+import logging
 import os
 import signal
+import ssl
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -19,6 +21,7 @@ import grpclib.const
 import grpclib.server
 import pynvml
 import pytest
+import structlog
 from llmgw_agent.config import AgentConfig
 from llmgw_proto import v1
 from llmgw_proto.config import convert
@@ -190,6 +193,18 @@ FAKE_ENGINE = textwrap.dedent(
 )
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Tests that call setup_logging must not leave it pointing at a closed capture."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    config = structlog.get_config()
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.configure(**config)
+
+
 @pytest.fixture
 def fake_engine(tmp_path: Path) -> list[str]:
     """An engine command for agent.yaml: ``python fake_engine.py`` (the adapter appends)."""
@@ -269,6 +284,7 @@ class FakeControl:
         self._outgoing: asyncio.Queue[v1.ControlMessage] = asyncio.Queue()
         self._server: grpclib.server.Server | None = None
         self._transports: list[asyncio.Transport] = []
+        self.peer_certs: list[dict[str, Any] | None] = []
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -280,9 +296,9 @@ class FakeControl:
             )
         }
 
-    async def start(self) -> None:
+    async def start(self, ssl_context: ssl.SSLContext | None = None) -> None:
         self._server = grpclib.server.Server([self])
-        await self._server.start("127.0.0.1", self.port)
+        await self._server.start("127.0.0.1", self.port, ssl=ssl_context)
 
     async def stop(self) -> None:
         """The control plane goes away: listener and every open stream."""
@@ -305,6 +321,7 @@ class FakeControl:
         received: list[v1.AgentMessage] = []
         self.streams.append(received)
         self._transports.append(stream.peer._transport)
+        self.peer_certs.append(stream.peer.cert())
         first = await stream.recv_message()
         assert first is not None
         received.append(first)

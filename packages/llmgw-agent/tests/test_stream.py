@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import random
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from llmgw_agent.stream import ControlLink, Outbox
 from llmgw_agent.supervisor import process_start_ticks
 from llmgw_proto import v1
 from llmgw_proto.backoff import Backoff, exponential
+from llmgw_proto.tls import peer_common_name, server_context
 from llmgw_testkit import free_port, wait_for_async
 
 S = v1.ShardState
@@ -338,3 +341,93 @@ async def test_outbox_keeps_order_and_bounds() -> None:
     outbox.put(v1.AgentMessage(heartbeat=v1.Heartbeat()))
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(outbox.flushed(), 0.05)
+
+
+def _make_certs(directory: Path, node_id: str) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a node client certificate."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def build(
+        subject: str,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: str,
+        signer: ec.EllipticCurvePrivateKey,
+        *,
+        ca: bool = False,
+        san: x509.GeneralName | None = None,
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if san is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName([san]), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    node_key = ec.generate_private_key(ec.SECP256R1())
+    import ipaddress
+
+    certs = {
+        "ca": build("test CA", ca_key, "test CA", ca_key, ca=True),
+        "server": build(
+            "control",
+            server_key,
+            "test CA",
+            ca_key,
+            san=x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ),
+        "node": build(node_id, node_key, "test CA", ca_key),
+    }
+    keys = {"ca": ca_key, "server": server_key, "node": node_key}
+    paths: dict[str, Path] = {}
+    for role, cert in certs.items():
+        paths[f"{role}.crt"] = directory / f"{role}.crt"
+        paths[f"{role}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        paths[f"{role}.key"] = directory / f"{role}.key"
+        paths[f"{role}.key"].write_bytes(
+            keys[role].private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return paths
+
+
+async def test_mutual_tls(
+    kit: Any, tmp_path: Path, make_config: Callable[..., AgentConfig]
+) -> None:
+    certs = _make_certs(tmp_path, "node-a")
+    control = kit.FakeControl(free_port())
+    await control.start(server_context(certs["server.crt"], certs["server.key"], certs["ca.crt"]))
+    try:
+        tls = {
+            "cert": str(certs["node.crt"]),
+            "key": str(certs["node.key"]),
+            "ca": str(certs["ca.crt"]),
+        }
+        config = make_config(control={"address": f"127.0.0.1:{control.port}", "tls": tls})
+        agent = Agent(config)
+        async with running(agent):
+            [register] = await until(control.registers, "Register over mTLS")
+            assert register.node_id == "node-a"
+            # The control plane sees the node's certificate: the hook for identity checks.
+            assert peer_common_name(control.peer_certs[0]) == "node-a"
+    finally:
+        await control.stop()

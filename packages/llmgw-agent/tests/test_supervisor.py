@@ -378,3 +378,17 @@ def test_cmdline_matches() -> None:
 def test_process_start_ticks() -> None:
     assert process_start_ticks(os.getpid()) is not None
     assert process_start_ticks(2**22 + 12345) is None
+
+
+async def test_drain_of_a_loading_engine_stops_it_at_once(
+    kit: Any, make_config: Callable[..., AgentConfig], recorder: Recorder, reap: list[int]
+) -> None:
+    sup = make_supervisor(make_config(), recorder)
+    start = kit.make_start(port=free_port(), env={"SIM_LOAD": "600"})
+    assert sup.start(start).ok
+    reap.append(sup.engines[start.shard_id].pid)
+    deadline = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=10)
+    sup.drain(v1.DrainShard(command_id="d", shard_id=start.shard_id, deadline=deadline))
+    stopped = await recorder.wait(start.shard_id, S.STOPPED)
+    assert stopped.reason.startswith("drained (")
+    assert recorder.states(start.shard_id) == [S.VALIDATING, S.STARTING, S.DRAINING, S.STOPPED]

@@ -543,7 +543,7 @@ class Supervisor:
             return f"killed by {_signal_name(engine.exit_signal)}"
         if engine.exit_code is not None:
             return f"exit code {engine.exit_code}"
-        return "exit code unknown: the engine was adopted from a previous agent"
+        return "exit code unknown (started by a previous agent, so not this agent's child)"
 
     async def _wait_exit(self, engine: Engine) -> None:
         loop = asyncio.get_running_loop()
@@ -607,12 +607,13 @@ class Supervisor:
         self._save(engine)
 
     async def _drain(self, engine: Engine, deadline: datetime.datetime) -> None:
+        serving = engine.state == S.READY and not engine.launch.headless
         self._emit(engine, S.DRAINING, reason="draining running requests")
         self._save(engine)
         running: float | None = None
         while not engine.exited.is_set() and not engine.stop_reason:
-            if engine.launch.headless:
-                break
+            if not serving:
+                break  # still loading, or a headless rank: no requests of its own
             running = await self._running_requests(engine)
             if running == 0 or _now() >= deadline:
                 break
