@@ -64,7 +64,11 @@ def test_openai_client_chat_completions_embeddings_and_models(router: Router) ->
     assert 'llmgw_router_time_to_first_token_seconds_count{model="m1"}' in metrics
 
 
-def test_streaming_with_usage_through_openai_client(router: Router) -> None:
+def test_streaming_with_usage_through_openai_client(
+    router: Router, upstreams: list[Upstream]
+) -> None:
+    for up in upstreams:
+        up.script(delay=0.005)  # paced, so there are gaps between chunks to measure
     before = metric(router.metrics(), TOKENS_M1)
     stream = client(router).chat.completions.create(
         model="m1",

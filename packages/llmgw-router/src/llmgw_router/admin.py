@@ -23,6 +23,12 @@ def admin_app(state: RouterState) -> Starlette:
             counts[ep.state(now)] = counts.get(ep.state(now), 0) + 1
         for name, count in counts.items():
             state.metrics.endpoints.labels(name).set(count)
+        # In-flight counts live on the endpoints; the gauge is filled in at scrape time
+        # rather than moved twice on every request.
+        in_flight = state.metrics.in_flight
+        in_flight.clear()
+        for ep in state.endpoints.endpoints:
+            in_flight.labels(ep.id).set(ep.outstanding)
 
     async def metrics(request: Request) -> Response:
         refresh_gauges()

@@ -174,18 +174,20 @@ def _usable_at(now: float) -> Callable[[Endpoint], bool]:
 
 def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
     """The usage object of a JSON body, or of the last SSE event that carries one."""
-    if b'"usage"' not in tail:
+    at = tail.rfind(b'"usage"')
+    if at < 0:
         return None
     if not streamed:
         with contextlib.suppress(msgspec.DecodeError):
             return _decode_usage(tail).usage
         return None
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b'"usage"' in line:
-            with contextlib.suppress(msgspec.DecodeError):
-                usage = _decode_usage(line[6:]).usage
-                if usage is not None:
-                    return usage
+    # Only the event around the last mention is parsed, not the whole tail.
+    start = tail.rfind(b"data: ", 0, at)
+    end = tail.find(b"\n", at)
+    if start < 0:
+        return None
+    with contextlib.suppress(msgspec.DecodeError):
+        return _decode_usage(tail[start + 6 : end if end >= 0 else len(tail)]).usage
     return None
 
 
@@ -552,13 +554,10 @@ class ProxyApp:
         total_deadline: float,
     ) -> None:
         state = self.state
-        metrics = state.metrics
         session = self.session
         assert session is not None
         loop = asyncio.get_running_loop()
         ep.outstanding += 1
-        in_flight = metrics.child(metrics.in_flight, ep.id)
-        in_flight.inc()
         response: aiohttp.ClientResponse | None = None
         clean = False
         try:
@@ -567,7 +566,7 @@ class ProxyApp:
             try:
                 async with asyncio.timeout_at(first_deadline):
                     response = await session.post(
-                        ep.url + path, data=body, headers=headers, timeout=timeout
+                        ep.target(path), data=body, headers=headers, timeout=timeout
                     )
                     status = response.status
                     if status >= 500 or status == 429:
@@ -598,7 +597,6 @@ class ProxyApp:
             )
         finally:
             ep.outstanding -= 1
-            in_flight.dec()
             if response is not None:
                 # An unfinished response must not go back to the pool: closing it is
                 # also what tells the engine to stop generating.
@@ -646,9 +644,13 @@ class ProxyApp:
         previous = b""
         last = first
         collected = bytearray(first) if not streamed else None
-        clean = False
+        clean = ended = False
         failure = ""
-        if first:
+        if first and content.at_eof():
+            # All of it came in one read (small JSON answers, fast short streams): one write.
+            clean = ended = True
+            await send({"type": "http.response.body", "body": first})
+        elif first:
             gap = metrics.child(metrics.gap, model) if streamed else None
             await send({"type": "http.response.body", "body": first, "more_body": True})
             last_at = loop.time()
@@ -696,7 +698,7 @@ class ProxyApp:
             else:
                 # Nothing honest can be appended to a half-sent JSON body: end it short.
                 await send({"type": "http.response.body", "body": b""})
-        else:
+        elif not ended:
             await send({"type": "http.response.body", "body": b""})
         usage = _usage_from(
             bytes(collected) if collected is not None else previous + last, streamed

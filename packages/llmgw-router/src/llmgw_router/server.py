@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import socket
 from collections.abc import Iterator
@@ -54,6 +55,9 @@ def _uvicorn(app: Any, address: str, grace: float) -> _Server:
         lifespan="off",
         access_log=False,
         log_config=None,
+        # Clients talk to the router directly; X-Forwarded-* rewriting is work for nothing.
+        proxy_headers=False,
+        server_header=False,
         timeout_graceful_shutdown=int(grace) or 1,
         timeout_keep_alive=75,
         backlog=4096,
@@ -132,6 +136,9 @@ async def serve(
         endpoints=len(static),
         balancer=config.balancer,
     )
+    # Everything built so far lives as long as the process: keep the collector off it.
+    gc.collect()
+    gc.freeze()
     stop_wait = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait(
         {stop_wait, proxy_task, admin_task}, return_when=asyncio.FIRST_COMPLETED

@@ -1,0 +1,314 @@
+"""llmgw-router against the simulator directly and against the Rust `vllm-router`.
+
+    python tools/bench/bench_router.py                      # the full table
+    python tools/bench/bench_router.py --seconds 2 --rounds 1 --concurrency 1 64
+    python tools/bench/bench_router.py --targets direct llmgw llmgw-hypercorn
+
+One `llmgw-sim vllm serve` with zero simulated delays serves every target, so the
+only difference between rows is the proxy in the path. Routers run pinned to one
+core (`taskset -c 1`); the simulator and this load generator share core 0. Each
+cell (case x concurrency) runs the targets one after the other, `--rounds` times
+in alternation, and keeps each target's best round: the machine is shared, and
+the best round is the least disturbed one.
+
+Cases: non-streaming chat completions (16 tokens), and 100-token streams read to
+`[DONE]`. Latency is per request, first byte sent to last byte read; "added" is a
+target's latency minus direct's at the same percentile.
+
+The peer, `vllm-router`, is looked for at --vllm-router (default
+/tmp/vr-venv/bin/vllm-router: `uv venv /tmp/vr-venv && uv pip install -p
+/tmp/vr-venv/bin/python vllm-router`); without it that row is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+BIN = Path(sys.executable).parent
+MODEL = "bench-model"
+
+
+@dataclass
+class Result:
+    target: str
+    ok: int
+    errors: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pin(core: str) -> list[str]:
+    return ["taskset", "-c", core] if shutil.which("taskset") else []
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not become healthy within {timeout:g}s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def process(argv: list[str], health: str, what: str, log: Path) -> Iterator[None]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_healthy(health, proc, what)
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def simulator(port: int, logs: Path) -> contextlib.AbstractContextManager[None]:
+    argv = [
+        *_pin("0"), str(BIN / "llmgw-sim"), "vllm", "serve", MODEL,
+        "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024",
+        "--sim-load-time", "0",
+    ]  # fmt: skip
+    return process(argv, f"http://127.0.0.1:{port}/health", "llmgw-sim", logs / "sim.log")
+
+
+def llmgw_router(
+    port: int, sim: str, server: str, logs: Path
+) -> contextlib.AbstractContextManager[None]:
+    admin = _free_port()
+    config = logs / f"router-{server}.yaml"
+    config.write_text(f"server: {server}\nhealth_checks: {{interval: 5s}}\n")
+    argv = [
+        *_pin("1"), str(BIN / "llmgw-router"), "serve", "--config", str(config),
+        "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
+        "--endpoint", f"sim={sim}={MODEL}", "--log-level", "warning",
+    ]  # fmt: skip
+    return process(
+        argv, f"http://127.0.0.1:{admin}/readyz", f"llmgw-router ({server})", logs / f"{server}.log"
+    )
+
+
+def vllm_router(
+    binary: str, port: int, sim: str, logs: Path
+) -> contextlib.AbstractContextManager[None]:
+    argv = [
+        *_pin("1"), binary, "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", sim, "--policy", "round_robin",
+        "--prometheus-port", str(_free_port()), "--log-level", "warning",
+    ]  # fmt: skip
+    return process(argv, f"http://127.0.0.1:{port}/health", "vllm-router", logs / "vllm-router.log")
+
+
+async def _worker(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    stream: bool,
+    stop_at: float,
+    result: Result,
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    clock = time.perf_counter
+    while time.monotonic() < stop_at:
+        start = clock()
+        try:
+            async with session.post(url, data=body, headers=headers) as resp:
+                if stream:
+                    tail = b""
+                    async for chunk in resp.content.iter_any():
+                        tail = (tail + chunk)[-32:]
+                    ok = resp.status == 200 and tail.endswith(b"data: [DONE]\n\n")
+                else:
+                    await resp.read()
+                    ok = resp.status == 200
+        except aiohttp.ClientError:
+            ok = False
+        if ok:
+            result.ok += 1
+            result.latencies.append(clock() - start)
+        else:
+            result.errors += 1
+
+
+async def run_cell(
+    target: str, base: str, *, stream: bool, concurrency: int, seconds: float
+) -> Result:
+    payload: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 100 if stream else 16,
+        "stream": stream,
+    }
+    if stream:
+        payload["stream_options"] = {"include_usage": True}
+    body = json.dumps(payload).encode()
+    url = base + "/v1/chat/completions"
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        warm = Result(target, 0, 0, 0)
+        stop = time.monotonic() + 0.3
+        await asyncio.gather(
+            *(_worker(session, url, body, stream, stop, warm) for _ in range(concurrency))
+        )
+        result = Result(target, 0, 0, 0)
+        start = time.monotonic()
+        await asyncio.gather(
+            *(
+                _worker(session, url, body, stream, start + seconds, result)
+                for _ in range(concurrency)
+            )
+        )
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1000:7.2f}"
+
+
+def print_table(rows: list[tuple[str, int, dict[str, Result]]], targets: list[str]) -> None:
+    print(
+        f"{'case':<11} {'conc':>4}  {'target':<16} {'req/s':>8} {'x direct':>8}"
+        f" {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'+p99 ms':>7}"
+    )
+    for case, conc, results in rows:
+        direct = results.get("direct")
+        for target in targets:
+            r = results.get(target)
+            if r is None:
+                continue
+            ratio = f"{r.rps / direct.rps:8.2f}" if direct and direct.rps else f"{'':>8}"
+            added50 = _fmt_ms(r.pct(0.5) - direct.pct(0.5)) if direct else ""
+            added99 = _fmt_ms(r.pct(0.99) - direct.pct(0.99)) if direct else ""
+            errors = f"  ({r.errors} errors)" if r.errors else ""
+            print(
+                f"{case:<11} {conc:>4}  {target:<16} {r.rps:8.0f} {ratio}"
+                f" {_fmt_ms(r.pct(0.5))} {_fmt_ms(r.pct(0.99))} {added50} {added99}{errors}"
+            )
+        ours, peer = results.get("llmgw"), results.get("vllm-router")
+        if ours and peer and peer.rps:
+            print(f"{'':<11} {'':>4}  {'llmgw/vllm-router':<16} {ours.rps / peer.rps:8.2f}")
+    print()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=2.0, help="per run")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per cell")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--case", choices=("all", "full", "stream"), default="all")
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        default=["direct", "llmgw", "vllm-router"],
+        choices=["direct", "llmgw", "llmgw-hypercorn", "vllm-router"],
+    )
+    parser.add_argument("--vllm-router", default="/tmp/vr-venv/bin/vllm-router")
+    args = parser.parse_args()
+    if args.seconds <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
+        parser.error("--seconds > 0, --rounds >= 1 and --concurrency >= 1")
+    targets = list(args.targets)
+    if "vllm-router" in targets and not Path(args.vllm_router).exists():
+        print(f"vllm-router not found at {args.vllm_router}: its row is skipped", file=sys.stderr)
+        targets.remove("vllm-router")
+    # The load generator shares core 0 with the simulator; routers get core 1.
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, {0})
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+
+    cases = [("full", False), ("stream-100", True)]
+    if args.case != "all":
+        cases = [c for c in cases if (c[1] if args.case == "stream" else not c[1])]
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-router-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        logs = Path(tmp)
+        sim_port = _free_port()
+        stack.enter_context(simulator(sim_port, logs))
+        sim = f"http://127.0.0.1:{sim_port}"
+        bases = {"direct": sim}
+        for target in targets:
+            port = _free_port()
+            if target == "llmgw":
+                stack.enter_context(llmgw_router(port, sim, "uvicorn", logs))
+            elif target == "llmgw-hypercorn":
+                stack.enter_context(llmgw_router(port, sim, "hypercorn", logs))
+            elif target == "vllm-router":
+                stack.enter_context(vllm_router(args.vllm_router, port, sim, logs))
+            if target != "direct":
+                bases[target] = f"http://127.0.0.1:{port}"
+        print(
+            f"{os.cpu_count()} CPUs; routers pinned to core 1, simulator and load on core 0;"
+            f" {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
+        )
+        rows: list[tuple[str, int, dict[str, Result]]] = []
+        for case, stream in cases:
+            for conc in args.concurrency:
+                best: dict[str, Result] = {}
+                for _ in range(args.rounds):
+                    for target in targets:
+                        r = asyncio.run(
+                            run_cell(
+                                target,
+                                bases[target],
+                                stream=stream,
+                                concurrency=conc,
+                                seconds=args.seconds,
+                            )
+                        )
+                        if target not in best or r.rps > best[target].rps:
+                            best[target] = r
+                rows.append((case, conc, best))
+                print_table([rows[-1]], targets)
+    return 1 if any(r.errors for _, _, res in rows for r in res.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
