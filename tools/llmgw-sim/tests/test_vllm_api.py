@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -281,3 +282,24 @@ def test_named_failure_type_and_request_id_header(vllm: Sim, client: httpx.Clien
         vllm.url + "/v1/chat/completions", headers={**auth(), "X-Request-Id": "req-42"}, json=body
     )
     assert r.headers["X-Request-Id"] == "req-42"
+
+
+def test_lora_modules_are_served_and_loadable(tmp_path: Path) -> None:
+    args = ["--enable-lora", "--lora-modules", "sql=/loras/sql", '{"name": "chat", "path": "/l/c"}']
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "CUDA_VISIBLE_DEVICES": "0"}
+    with start(tmp_path, "vllm", args, env=env) as sim, httpx.Client(timeout=10) as c:
+        models = {m["id"]: m for m in c.get(sim.url + "/v1/models").json()["data"]}
+        assert models["sql"]["parent"] == "org/model"
+        assert models["chat"]["root"] == "/l/c"
+        body = {"model": "sql", "messages": [{"role": "user", "content": "x"}]}
+        assert c.post(sim.url + "/v1/chat/completions", json=body).status_code == 200
+        r = c.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "/p"})
+        assert r.status_code == 200
+        assert "added successfully" in r.text
+        assert c.post(sim.url + "/v1/chat/completions", json={**body, "model": "new"}).is_success
+        r = c.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": "new"})
+        assert r.status_code == 200
+        r = c.post(sim.url + "/v1/chat/completions", json={**body, "model": "new"})
+        assert r.status_code == 404
+        metrics = c.get(sim.url + "/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters=""' in metrics

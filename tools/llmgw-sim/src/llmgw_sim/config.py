@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -54,6 +55,12 @@ class EngineConfig:
     memory_fraction: float | None = None
     seed: int = 0
     request_id_headers: bool = False
+    # LoRA adapters served next to the base model: name -> path.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_enabled: bool = False
+    max_loras: int = 1
+    # vLLM serves /v1/(un)load_lora_adapter only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set.
+    runtime_lora_updating: bool = False
     non_default_args: dict[str, object] = field(default_factory=dict)
     knobs: Knobs = field(default_factory=Knobs)
 
@@ -89,11 +96,18 @@ def _positive(name: str, value: int | float | None) -> None:
         raise StartupError("ValueError", f"{name} must be a positive number, got {value}")
 
 
-def from_args(kind: EngineKind, ns: argparse.Namespace, knobs: Knobs) -> EngineConfig:
+def from_args(
+    kind: EngineKind,
+    ns: argparse.Namespace,
+    knobs: Knobs,
+    environ: Mapping[str, str] | None = None,
+) -> EngineConfig:
     """Build the configuration; raises StartupError the way the engine's own checks would."""
     non_default = _non_default(kind, ns)
     version = knobs.version or DEFAULT_VERSIONS[kind]
     if kind == "vllm":
+        flag = (environ or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")
+        runtime_lora = flag.strip().lower() in ("1", "true")
         model = ns.model_tag or ns.model
         if ns.model_tag:
             non_default["model"] = ns.model_tag
@@ -148,6 +162,10 @@ def from_args(kind: EngineKind, ns: argparse.Namespace, knobs: Knobs) -> EngineC
             memory_fraction=ns.gpu_memory_utilization,
             seed=ns.seed,
             request_id_headers=ns.enable_request_id_headers,
+            lora_modules=parse_lora_modules(ns.lora_modules or []),
+            lora_enabled=bool(ns.enable_lora or ns.lora_modules),
+            max_loras=ns.max_loras,
+            runtime_lora_updating=runtime_lora,
             non_default_args=non_default,
             knobs=knobs,
         )
@@ -216,6 +234,30 @@ def from_args(kind: EngineKind, ns: argparse.Namespace, knobs: Knobs) -> EngineC
         non_default_args=non_default,
         knobs=knobs,
     )
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """vLLM's --lora-modules: ``name=path`` or ``{"name": ..., "path": ...}`` items."""
+    out: dict[str, str] = {}
+    for item in items:
+        if not item:
+            continue
+        if "=" in item and "," not in item and not item.lstrip().startswith("{"):
+            name, _, path = item.partition("=")
+        else:
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError:
+                raise StartupError(
+                    "ValueError", f"Invalid JSON format for --lora-modules: {item}"
+                ) from None
+            if not isinstance(spec, dict) or not {"name", "path"} <= spec.keys():
+                raise StartupError(
+                    "ValueError", f"Invalid fields for --lora-modules: {item} (need name, path)"
+                )
+            name, path = str(spec["name"]), str(spec["path"])
+        out[name] = path
+    return out
 
 
 def visible_devices(environ: Mapping[str, str], default_count: int) -> tuple[int, str | None]:

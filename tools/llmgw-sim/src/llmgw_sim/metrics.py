@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class Stats:
     max_tokens_param: Histogram = field(default_factory=lambda: Histogram(buckets_1_2_5(32768)))
     decode_steps: int = 0
     cache_info: dict[str, str] = field(default_factory=dict)
+    # (max_loras, running adapters, waiting adapters) when LoRA is enabled.
+    lora_info: Callable[[], tuple[int, list[str], list[str]]] | None = None
 
     def size_token_histograms(self, max_model_len: int) -> None:
         bounds = buckets_1_2_5(max_model_len)
@@ -144,6 +147,16 @@ def render_vllm(stats: Stats, model_name: str) -> str:
     if stats.cache_info:
         info = ",".join(f'{k}="{_escape(v)}"' for k, v in stats.cache_info.items())
         _gauge(out, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, 1)
+    if stats.lora_info is not None:
+        max_lora, running, waiting = stats.lora_info()
+        labels = (
+            f'max_lora="{max_lora}",running_lora_adapters="{",".join(running)}",'
+            f'waiting_lora_adapters="{",".join(waiting)}"'
+        )
+        # vLLM reports the scrape time as this info gauge's value.
+        _gauge(
+            out, "vllm:lora_requests_info", "Running stats on lora requests.", labels, time.time()
+        )
     counters = (
         ("vllm:prefix_cache_queries_total",
          "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_queries()),

@@ -402,7 +402,7 @@ def run_engine(kind: EngineKind, argv: Sequence[str]) -> int:
         log.raw(f"error: port {ns.port} is out of range (0-65535)", err=True)
         return 1
     try:
-        config = from_args(kind, ns, knobs)
+        config = from_args(kind, ns, knobs, os.environ)
     except StartupError as err:
         if kind == "vllm":
             vllm_arg_failure_tail(log, err.exc, err.message)

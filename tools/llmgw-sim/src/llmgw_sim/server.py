@@ -10,7 +10,7 @@ import os
 import random
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -64,8 +64,6 @@ _LLAMA_ERROR_TYPES = {
     503: "unavailable_error",
 }
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 class Engine:
     """One simulated engine: scheduler, prefix cache, statistics, lifecycle state."""
@@ -97,6 +95,12 @@ class Engine:
             prefix_hits=lambda: self.cache.hits,
         )
         self.stats.size_token_histograms(config.max_model_len)
+        if config.lora_enabled:
+            self.stats.lora_info = lambda: (
+                config.max_loras,
+                sorted(self.lora_running),
+                sorted(self.lora_waiting),
+            )
         self.stats.cache_info = {
             "block_size": str(config.block_size),
             "cache_dtype": "auto",
@@ -115,8 +119,11 @@ class Engine:
         self._error_types = [t for t in knobs.error_types.split(",") if t]
         self._on_crash = on_crash
         self._names = set(config.served_names)
+        self.loras: dict[str, str] = dict(config.lora_modules)
+        # Requests per adapter, for vllm:lora_requests_info.
+        self.lora_running: dict[str, int] = {}
+        self.lora_waiting: dict[str, int] = {}
         self._auth = {f"Bearer {k}" for k in config.api_keys}
-        self._model_json = _enc(config.primary_name)
         self.vocab = Vocabulary()
 
     # ----- scheduling -------------------------------------------------------
@@ -223,7 +230,12 @@ class Engine:
         return self.error(503, "The server is still loading the model.")
 
     def check_model(self, model: str | None) -> web.Response | None:
-        if model is None or self.kind == "llama-server" or model in self._names:
+        if (
+            model is None
+            or self.kind == "llama-server"
+            or model in self._names
+            or model in self.loras
+        ):
             return None
         return self.error(404, f"The model `{model}` does not exist.")
 
@@ -346,11 +358,14 @@ class Api:
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        gate = self._gate(request, inference=False)
-        if self.kind == "llama-server" and not self.engine.ready:
-            return self.engine.loading_response()
-        if gate is not None and self.kind != "llama-server":
-            return gate
+        eng = self.engine
+        if self.kind == "llama-server":
+            if not eng.ready:
+                return eng.loading_response()  # the listing is public in llama.cpp
+        else:
+            gate = self._gate(request, inference=False)
+            if gate is not None:
+                return gate
         cfg = self.engine.config
         created = self.engine.created
         data: list[dict[str, Any]] = []
@@ -384,6 +399,18 @@ class Api:
             else:
                 entry["meta"] = {"n_ctx_train": cfg.max_model_len, "n_vocab": 32000}
             data.append(entry)
+        for name, path in eng.loras.items():
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": path,
+                    "parent": cfg.primary_name,
+                    "max_model_len": None,
+                }
+            )
         body: dict[str, Any] = {"object": "list", "data": data}
         if self.kind == "llama-server":
             body["models"] = [
@@ -455,6 +482,40 @@ class Api:
             "chat_template": "",
         }
         return web.Response(body=_enc(body), content_type=_JSON)
+
+    # ----- vLLM's runtime LoRA endpoints ------------------------------------
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        gate = self._gate(request, inference=False)
+        if gate is not None:
+            return gate
+        try:
+            body = decode_body(await request.read())
+        except BadRequest as err:
+            return eng.error(400, str(err))
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return eng.error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in eng.loras:
+            return eng.error(400, f"The lora adapter '{name}' has already been loaded.")
+        eng.loras[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        gate = self._gate(request, inference=False)
+        if gate is not None:
+            return gate
+        try:
+            body = decode_body(await request.read())
+        except BadRequest as err:
+            return eng.error(400, str(err))
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in eng.loras:
+            return eng.error(404, f"The lora adapter '{name}' cannot be found.")
+        del eng.loras[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ----- vLLM's tokenizer endpoints ---------------------------------------
 
@@ -584,7 +645,16 @@ class Api:
         else:
             out_tokens = generate_tokens(count, knobs.seed + prompt_len)
 
-        rid = await eng.acquire()
+        lora = gen.model if gen.model in eng.loras else None
+        if lora is not None:
+            _bump(eng.lora_waiting, lora, 1)
+        try:
+            rid = await eng.acquire()
+        finally:
+            if lora is not None:
+                _bump(eng.lora_waiting, lora, -1)
+        if lora is not None:
+            _bump(eng.lora_running, lora, 1)
         started = time.monotonic()
         kv_held = prompt_len
         eng.kv_tokens_in_use += kv_held
@@ -638,6 +708,8 @@ class Api:
         finally:
             eng.kv_tokens_in_use -= kv_held
             eng.release(rid)
+            if lora is not None:
+                _bump(eng.lora_running, lora, -1)
         if eng.crash_due():
             # Deliver this response completely, then die as the engine would.
             await resp.prepare(request)
@@ -815,6 +887,14 @@ class Api:
         return resp
 
 
+def _bump(counts: dict[str, int], key: str, delta: int) -> None:
+    value = counts.get(key, 0) + delta
+    if value > 0:
+        counts[key] = value
+    else:
+        counts.pop(key, None)
+
+
 _TOKEN_JSON: dict[str, bytes] = {}
 
 
@@ -854,6 +934,9 @@ def build_app(engine: Engine, *, health_only: bool = False) -> web.Application:
     r.add_post("/v1/embeddings", api.embeddings)
     if engine.kind in ("vllm", "sglang"):
         r.add_get("/version", api.version)
+    if engine.kind == "vllm" and engine.config.runtime_lora_updating:
+        r.add_post("/v1/load_lora_adapter", api.load_lora)
+        r.add_post("/v1/unload_lora_adapter", api.unload_lora)
     if engine.kind == "vllm":
         r.add_post("/tokenize", api.tokenize)
         r.add_post("/detokenize", api.detokenize)
