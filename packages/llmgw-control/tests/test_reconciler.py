@@ -42,12 +42,14 @@ def catalog(**profile: Any) -> Catalog:
     return build_catalog(models, "control.yaml")
 
 
-def make_node(node_id: str, gpus: int = 4, session: str = "s1", **kw: Any) -> Node:
+def make_node(
+    node_id: str, gpus: int = 4, session: str = "s1", address: str = "127.0.0.1", **kw: Any
+) -> Node:
     return Node(
         node_id,
         session,
         gpus=tuple(GpuSlot(i, "NVIDIA H100", 80 * GiB) for i in range(gpus)),
-        interfaces={"lo": ["127.0.0.1"]},
+        interfaces={"lo": [address]},
         **kw,
     )
 
@@ -90,7 +92,11 @@ def starts(d: Decision) -> list[Start]:
 
 
 def test_places_and_starts_once() -> None:
-    world = World(catalog(replicas=2), make_node("a"), make_node("b", gpus=2))
+    world = World(
+        catalog(replicas=2),
+        make_node("a", address="10.0.0.1"),
+        make_node("b", gpus=2, address="10.0.0.2"),
+    )
     first = starts(world.step())
     # Bin-packing: b (2 GPUs) is filled first, then a.
     assert sorted((s.node_id, s.gpu_indices) for s in first) == [("a", (0, 1)), ("b", (0, 1))]
@@ -101,6 +107,22 @@ def test_places_and_starts_once() -> None:
         world.report(s, S.READY)
     assert world.step(1.0).commands == []
     assert all(r.ready_since is not None for r in world.state.replicas.values())
+
+
+def test_nodes_sharing_an_address_share_its_ports() -> None:
+    # Two agents on one host (a laptop demo, or one NAT address) must not be given
+    # the same engine port, not even when one of them still runs an old engine.
+    world = World(
+        catalog(replicas=2, gpus_per_node=1), make_node("a", gpus=1), make_node("b", gpus=1)
+    )
+    first = starts(world.step())
+    assert sorted(s.port for s in first) == [20000, 20001]
+    other = World(
+        catalog(replicas=2, gpus_per_node=1),
+        make_node("a", gpus=1, address="10.0.0.1"),
+        make_node("b", gpus=1, address="10.0.0.2"),
+    )
+    assert sorted(s.port for s in starts(other.step())) == [20000, 20000]
 
 
 def test_startup_grace_waits_for_agents() -> None:

@@ -495,6 +495,12 @@ class _Pass:
             )
             for n in self.nodes.values()
         }
+        # Ports belong to an address, not to a node: agents that share a host (or one
+        # NAT address) share its ports, so their views share one set of used ports.
+        port_spaces: dict[str, set[int]] = {}
+        for view in views.values():
+            if view.address:
+                view.used_ports = port_spaces.setdefault(view.address, set())
         for r in self.state.replicas.values():
             for plan in r.shards:
                 view = views.get(plan.node_id)
