@@ -238,7 +238,7 @@ def agent_yaml(tmp_path: Path, engine: list[str], **extra: Any) -> dict[str, Any
         "engine_host": "127.0.0.1",
         "engines": {name: {"command": engine} for name in ("vllm", "sglang", "llamacpp")},
         "state_dir": str(tmp_path / "state"),
-        "stop_grace": "3s",
+        "stop_grace": "10s",
         "health_interval": "100ms",
         "drain_poll_interval": "100ms",
         "base_backoff": "100ms",

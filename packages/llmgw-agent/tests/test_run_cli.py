@@ -53,7 +53,7 @@ def write_config(tmp_path: Path, fake_engine: list[str], port: int, **extra: Any
         "engine_host": "127.0.0.1",
         "engines": {"vllm": {"command": fake_engine}},
         "state_dir": str(tmp_path / "state"),
-        "stop_grace": "3s",
+        "stop_grace": "10s",
         "health_interval": "100ms",
         "base_backoff": "100ms",
         "max_backoff": "1s",

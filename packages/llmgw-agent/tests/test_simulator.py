@@ -74,7 +74,10 @@ async def test_simulated_engine_ready_then_stopped(
     assert status == 200
     models = json.loads(body)
     assert "qwen" in [m["id"] for m in models["data"]]
-    sup.stop(v1.StopShard(command_id="s", shard_id=start.shard_id))
+    # A generous grace: under load a clean exit may take a while, and SIGKILL would show.
+    sup.stop(
+        v1.StopShard(command_id="s", shard_id=start.shard_id, grace=datetime.timedelta(seconds=30))
+    )
     stopped = await statuses.wait(S.STOPPED)
     assert stopped.signal is None
     assert [s.state for s in statuses] == [S.VALIDATING, S.STARTING, S.READY, S.STOPPED]

@@ -109,7 +109,7 @@ async def test_start_ready_stop(
 
     stop = sup.stop(
         v1.StopShard(
-            command_id="cmd-3", shard_id=start.shard_id, grace=datetime.timedelta(seconds=5)
+            command_id="cmd-3", shard_id=start.shard_id, grace=datetime.timedelta(seconds=30)
         )
     )
     assert stop.ok
