@@ -125,10 +125,16 @@ def cmdline_matches(argv: list[str], cmdline: list[str]) -> bool:
 
 
 def _record_alive(record: ShardRecord) -> bool:
-    if process_start_ticks(record.pid) != record.pid_start:
-        return False
-    cmdline = process_cmdline(record.pid)
-    return cmdline is not None and cmdline_matches(record.argv, cmdline)
+    for _ in range(40):
+        if process_start_ticks(record.pid) != record.pid_start:
+            return False
+        cmdline = process_cmdline(record.pid)
+        if cmdline:
+            return cmdline_matches(record.argv, cmdline)
+        # Empty while the kernel is still setting up a process that is being exec'd
+        # (an engine launched a moment ago): look again shortly.
+        time.sleep(0.05)
+    return False
 
 
 def _read_records(state_dir: Path) -> list[tuple[Path, ShardRecord | None]]:
