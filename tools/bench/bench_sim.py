@@ -1,12 +1,18 @@
 """Requests/s one llmgw-sim process serves with zero simulated delays.
 
     python tools/bench/bench_sim.py                 # starts its own simulator
+    python tools/bench/bench_sim.py --with-router   # also through llmgw-router, with ratios
     python tools/bench/bench_sim.py --url http://127.0.0.1:8000 --model m   # any endpoint
 
 Two cases at concurrency 64 over loopback, each a few seconds: non-streaming
 chat completions, and 100-token streamed chat completions (read to [DONE]).
-The simulator must not be what limits a router benchmark, so compare these
-numbers with the router's own benchmark on the same machine.
+The simulator must not be what limits a router benchmark: with --with-router
+the same load also goes through llmgw-router in front of the simulator.
+
+Besides requests/s it reports the CPU time each process spends per request
+(from /proc): on a shared machine requests/s swing with the neighbours' load,
+while CPU per request does not, so "router CPU / simulator CPU per request" is
+how many times the router's rate one simulator process can carry.
 """
 
 from __future__ import annotations
@@ -23,17 +29,22 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
+
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
 class Result:
     name: str
+    target: str
     requests: int
     errors: int
     seconds: float
+    # CPU seconds per request, by process ("simulator", "router").
+    cpu_per_request: dict[str, float] = field(default_factory=dict)
 
     @property
     def rps(self) -> float:
@@ -46,33 +57,45 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def simulator(extra: list[str]) -> Iterator[str]:
-    port = _free_port()
-    argv = [
-        sys.executable, "-m", "llmgw_sim", "vllm", "serve", "bench-model",
-        "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024", *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
+def _cpu_seconds(pid: int) -> float:
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"simulator exited with {proc.returncode}: {' '.join(argv)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("simulator did not become healthy within 30 s")
-            time.sleep(0.05)
-        yield url
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    # utime and stime are fields 14 and 15 of the whole line.
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not become ready within 30 s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _process(
+    argv: list[str], env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -81,6 +104,33 @@ def simulator(extra: list[str]) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextlib.contextmanager
+def simulator(model: str) -> Iterator[tuple[str, int]]:
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "llmgw_sim", "vllm", "serve", model,
+        "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with _process(argv, {"CUDA_VISIBLE_DEVICES": "0"}) as proc:
+        _wait_ready(proc, url + "/health", "simulator")
+        yield url, proc.pid
+
+
+@contextlib.contextmanager
+def router(upstream: str, model: str) -> Iterator[tuple[str, int]]:
+    port, admin = _free_port(), _free_port()
+    script = os.path.join(os.path.dirname(sys.executable), "llmgw-router")
+    argv = [
+        script, "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen",
+        f"127.0.0.1:{admin}", "--endpoint", f"sim={upstream}={model}",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with _process(argv) as proc:
+        _wait_ready(proc, url + "/v1/models", "llmgw-router")
+        yield url, proc.pid
 
 
 async def _worker(
@@ -111,7 +161,15 @@ async def _worker(
 
 
 async def run_case(
-    name: str, base: str, model: str, *, stream: bool, concurrency: int, seconds: float
+    name: str,
+    target: str,
+    base: str,
+    model: str,
+    *,
+    stream: bool,
+    concurrency: int,
+    seconds: float,
+    pids: dict[str, int],
 ) -> Result:
     payload: dict[str, object] = {
         "model": model,
@@ -134,6 +192,7 @@ async def run_case(
             )
         )
         counts = [0, 0]
+        cpu_before = {label: _cpu_seconds(pid) for label, pid in pids.items()}
         start = time.monotonic()
         await asyncio.gather(
             *(
@@ -142,26 +201,47 @@ async def run_case(
             )
         )
         elapsed = time.monotonic() - start
-    return Result(name, counts[0], counts[1], elapsed)
+        cpu = {label: _cpu_seconds(pid) - cpu_before[label] for label, pid in pids.items()}
+    done = max(1, counts[0] + counts[1])
+    return Result(
+        name, target, counts[0], counts[1], elapsed, {k: v / done for k, v in cpu.items()}
+    )
 
 
-async def main_async(args: argparse.Namespace, url: str) -> list[Result]:
-    results = []
+async def measure(
+    args: argparse.Namespace, targets: dict[str, str], pids: dict[str, int]
+) -> dict[str, list[Result]]:
+    """Best of ``--repeat`` runs per target and case; targets take turns so a busy
+    neighbour on a shared machine slows them alike."""
     cases = (("non-streaming", False), ("stream 100 tokens", True))
+    best: dict[str, list[Result]] = {label: [] for label in targets}
     for name, stream in cases:
         if args.case != "all" and (args.case == "stream") != stream:
             continue
-        results.append(
-            await run_case(
-                name,
-                url,
-                args.model,
-                stream=stream,
-                concurrency=args.concurrency,
-                seconds=args.seconds,
-            )
-        )
-    return results
+        runs: dict[str, Result] = {}
+        for _ in range(args.repeat):
+            for label, url in targets.items():
+                watched = {k: v for k, v in pids.items() if label == "router" or k != "router"}
+                r = await run_case(
+                    name,
+                    label,
+                    url,
+                    args.model,
+                    stream=stream,
+                    concurrency=args.concurrency,
+                    seconds=args.seconds,
+                    pids=watched,
+                )
+                if label not in runs or r.rps > runs[label].rps:
+                    runs[label] = r
+        for label in targets:
+            best[label].append(runs[label])
+    return best
+
+
+def _cpu_text(r: Result) -> str:
+    parts = [f"{k} {v * 1e6:.0f} us" for k, v in r.cpu_per_request.items()]
+    return f"  CPU/request: {', '.join(parts)}" if parts else ""
 
 
 def main() -> int:
@@ -172,11 +252,15 @@ def main() -> int:
     parser.add_argument("--model", default="bench-model")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=4.0, help="per case")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per case; the best counts")
+    parser.add_argument(
+        "--with-router", action="store_true", help="also measure through llmgw-router"
+    )
     parser.add_argument("--case", choices=("all", "full", "stream"), default="all")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args()
-    if args.concurrency < 1 or args.seconds <= 0:
-        parser.error("--concurrency must be >= 1 and --seconds > 0")
+    if args.concurrency < 1 or args.seconds <= 0 or args.repeat < 1:
+        parser.error("--concurrency and --repeat must be >= 1, --seconds > 0")
     try:
         import uvloop
 
@@ -184,15 +268,35 @@ def main() -> int:
     except ImportError:
         pass
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(simulator([]))
-        results = asyncio.run(main_async(args, url))
+        pids: dict[str, int] = {}
+        if args.url:
+            url = args.url
+        else:
+            url, pids["simulator"] = stack.enter_context(simulator(args.model))
+        targets = {"direct": url}
+        if args.with_router:
+            targets["router"], pids["router"] = stack.enter_context(router(url, args.model))
+        best = asyncio.run(measure(args, targets, pids))
+    results = [r for rs in best.values() for r in rs]
     if args.json:
         print(json.dumps([{**r.__dict__, "rps": round(r.rps, 1)} for r in results]))
-    else:
-        target = args.url or "llmgw-sim vllm (zero delays)"
-        print(f"target: {target}, concurrency {args.concurrency}, {args.seconds:g} s per case")
-        for r in results:
-            print(f"  {r.name:<18} {r.rps:9.1f} req/s  ({r.requests} ok, {r.errors} errors)")
+        return 1 if any(r.errors for r in results) else 0
+    what = args.url or "llmgw-sim vllm (zero delays)"
+    repeat = f", best of {args.repeat}" if args.repeat > 1 else ""
+    print(f"target: {what}, concurrency {args.concurrency}, {args.seconds:g} s per case{repeat}")
+    for r in best["direct"]:
+        print(f"  {r.name:<18} {r.rps:9.1f} req/s  ({r.errors} errors){_cpu_text(r)}")
+    if "router" in best:
+        print("through llmgw-router:")
+        for direct, r in zip(best["direct"], best["router"], strict=True):
+            print(f"  {r.name:<18} {r.rps:9.1f} req/s  ({r.errors} errors){_cpu_text(r)}")
+            sim_cpu = direct.cpu_per_request.get("simulator", 0.0)
+            router_cpu = r.cpu_per_request.get("router", 0.0)
+            if sim_cpu > 0:
+                print(
+                    f"    {'':<16} simulator/router requests/s {direct.rps / max(r.rps, 1e-9):.1f}x;"
+                    f" router/simulator CPU per request {router_cpu / sim_cpu:.1f}x"
+                )
     return 1 if any(r.errors for r in results) else 0
 
 

@@ -31,9 +31,8 @@ from llmgw_sim.logs import (
 )
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
-    from llmgw_sim.server import Engine
+    from llmgw_sim.httpserver import HttpServer
+    from llmgw_sim.server import Engine, Route
 
 _BACKLOG = 2048
 
@@ -62,7 +61,7 @@ class Lifecycle:
         self.log = log
         self.stop = asyncio.Event()
         self.signals = 0
-        self.runner: web.AppRunner | None = None
+        self.http: HttpServer | None = None
 
     # ----- signals and failures --------------------------------------------
 
@@ -249,26 +248,16 @@ class Lifecycle:
         sock.setblocking(False)
         return sock
 
-    async def _serve(self, app: web.Application, sock: socket.socket) -> None:
-        from aiohttp import web
+    async def _serve(self, handler: Route, sock: socket.socket) -> None:
+        from llmgw_sim.httpserver import HttpServer
 
-        access: dict[str, object] = {"access_log": None}
-        if self.knobs.log_requests:
-            access = {
-                "access_log": _access_logger(),
-                # uvicorn's access line, as vLLM and SGLang print it.
-                "access_log_format": 'INFO:     %a - "%r" %s',
-            }
-        self.runner = web.AppRunner(
-            app,
-            **access,  # type: ignore[arg-type]
-            handle_signals=False,
-            handler_cancellation=True,
-            shutdown_timeout=self.knobs.shutdown_grace,
+        self.http = HttpServer(
+            handler,
+            # vLLM and SGLang answer through uvicorn.
+            server_header="uvicorn" if self.kind != "llama-server" else "llama.cpp",
+            access_logger=_access_logger() if self.knobs.log_requests else None,
         )
-        await self.runner.setup()
-        site = web.SockSite(self.runner, sock, backlog=_BACKLOG)
-        await site.start()
+        await self.http.start(sock, backlog=_BACKLOG)
 
     def _bind_error(self, err: OSError) -> int:
         cfg = self.config
@@ -306,7 +295,7 @@ class Lifecycle:
         except StartupError as err:
             return self.fail(err)
 
-        # Imported here so that argument errors answer without loading aiohttp.
+        # Imported here so that argument errors answer before the server code loads.
         from llmgw_sim.server import Engine, build_app
 
         engine = Engine(cfg, self.crash)
@@ -370,10 +359,10 @@ class Lifecycle:
                     f"INFO:     Waiting for {running} running request(s) to finish "
                     f"(up to {self.knobs.shutdown_grace:g}s)"
                 )
-        if self.runner is not None:
+        if self.http is not None:
             # Stops listening, closes idle connections, lets handlers finish
             # within the grace period, then cancels the rest.
-            await self.runner.cleanup()
+            await self.http.shutdown(self.knobs.shutdown_grace)
         if self.kind != "llama-server":
             self.log.raw("INFO:     Application shutdown complete.")
             self.log.raw(f"INFO:     Finished server process [{os.getpid()}]")

@@ -10,14 +10,14 @@ import os
 import random
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from llmgw_sim import metrics
 from llmgw_sim.config import EngineConfig
+from llmgw_sim.httpserver import Request, Response, Stream
 from llmgw_sim.knobs import FAILURE_TYPES
 from llmgw_sim.model import (
     BatchSlots,
@@ -42,6 +42,10 @@ from llmgw_sim.protocol import (
 ERROR_HEADER = "X-Sim-Error"
 ERROR_MESSAGE_HEADER = "X-Sim-Error-Message"
 STALL_HEADER = "X-Sim-Stall-After"
+# Request header names arrive lower-cased.
+_ERROR_KEY = ERROR_HEADER.lower()
+_ERROR_MESSAGE_KEY = ERROR_MESSAGE_HEADER.lower()
+_STALL_KEY = STALL_HEADER.lower()
 
 _enc = msgspec.json.encode
 _JSON = "application/json"
@@ -177,9 +181,7 @@ class Engine:
 
     # ----- request plumbing -------------------------------------------------
 
-    def error(
-        self, status: int, message: str, headers: dict[str, str] | None = None
-    ) -> web.Response:
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         if self.kind == "vllm":
             body: dict[str, Any] = {
                 "error": {
@@ -205,31 +207,31 @@ class Engine:
                     "type": _LLAMA_ERROR_TYPES.get(status, "server_error"),
                 }
             }
-        return web.Response(status=status, body=_enc(body), content_type=_JSON, headers=headers)
+        return Response(status=status, body=_enc(body), content_type=_JSON, headers=headers)
 
-    def unauthorized(self) -> web.Response:
+    def unauthorized(self) -> Response:
         if self.kind == "llama-server":
             return self.error(401, "Invalid API Key")
-        return web.Response(status=401, body=b'{"error":"Unauthorized"}', content_type=_JSON)
+        return Response(status=401, body=b'{"error":"Unauthorized"}', content_type=_JSON)
 
-    def authorized(self, request: web.Request) -> bool:
+    def authorized(self, request: Request) -> bool:
         if not self._auth:
             return True
-        header = request.headers.get("Authorization")
+        header = request.headers.get("authorization")
         if header in self._auth:
             return True
         # llama.cpp also takes the key in X-Api-Key.
         if self.kind == "llama-server":
-            key = request.headers.get("X-Api-Key")
+            key = request.headers.get("x-api-key")
             return key is not None and f"Bearer {key}" in self._auth
         return False
 
-    def loading_response(self) -> web.Response:
+    def loading_response(self) -> Response:
         if self.kind == "llama-server":
             return self.error(503, "Loading model")
         return self.error(503, "The server is still loading the model.")
 
-    def check_model(self, model: str | None) -> web.Response | None:
+    def check_model(self, model: str | None) -> Response | None:
         if (
             model is None
             or self.kind == "llama-server"
@@ -239,8 +241,8 @@ class Engine:
             return None
         return self.error(404, f"The model `{model}` does not exist.")
 
-    def injected_error(self, request: web.Request) -> web.Response | None:
-        raw = request.headers.get(ERROR_HEADER)
+    def injected_error(self, request: Request) -> Response | None:
+        raw = request.headers.get(_ERROR_KEY)
         if raw is not None:
             kind = FAILURE_TYPES.get(raw.strip())
             if kind is not None:
@@ -259,7 +261,7 @@ class Engine:
                         400, f"{ERROR_HEADER} must be between 400 and 599, got {status}"
                     )
                 message = f"Simulated error {status}"
-            return self.error(status, request.headers.get(ERROR_MESSAGE_HEADER, message))
+            return self.error(status, request.headers.get(_ERROR_MESSAGE_KEY, message))
         if self.knobs.error_rate and self._rng.random() < self.knobs.error_rate:
             if self._error_types:
                 status, message = FAILURE_TYPES[self._rng.choice(self._error_types)]
@@ -269,7 +271,7 @@ class Engine:
             return self.error(status, message)
         return None
 
-    def context_error(self, gen: Generation, prompt_len: int) -> web.Response | None:
+    def context_error(self, gen: Generation, prompt_len: int) -> Response | None:
         """400 when the prompt (plus max_tokens) does not fit, worded as each engine words it."""
         limit = self.config.max_model_len
         too_long = prompt_len >= limit
@@ -288,7 +290,7 @@ class Engine:
                     "n_ctx": limit,
                 }
             }
-            return web.Response(status=400, body=_enc(body), content_type=_JSON)
+            return Response(status=400, body=_enc(body), content_type=_JSON)
         if self.kind == "sglang":
             if too_long:
                 return self.error(
@@ -335,7 +337,7 @@ class Api:
 
     # ----- guards -----------------------------------------------------------
 
-    def _gate(self, request: web.Request, *, inference: bool) -> web.Response | None:
+    def _gate(self, request: Request, *, inference: bool) -> Response | None:
         eng = self.engine
         if not eng.ready:
             return eng.loading_response()
@@ -347,17 +349,17 @@ class Api:
 
     # ----- small endpoints --------------------------------------------------
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         eng = self.engine
         if self.kind == "llama-server":
             if not eng.ready:
                 return eng.loading_response()
-            return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
+            return Response(body=b'{"status":"ok"}', content_type=_JSON)
         if not eng.ready:
-            return web.Response(status=503)
-        return web.Response(status=200)
+            return Response(status=503)
+        return Response(status=200)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         eng = self.engine
         if self.kind == "llama-server":
             if not eng.ready:
@@ -417,32 +419,32 @@ class Api:
                 {"name": n, "model": n, "type": "model", "capabilities": ["completion"]}
                 for n in cfg.served_names
             ]
-        return web.Response(body=_enc(body), content_type=_JSON)
+        return Response(body=_enc(body), content_type=_JSON)
 
-    async def version(self, request: web.Request) -> web.Response:
-        return web.Response(body=_enc({"version": self.engine.config.version}), content_type=_JSON)
+    async def version(self, request: Request) -> Response:
+        return Response(body=_enc({"version": self.engine.config.version}), content_type=_JSON)
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics(self, request: Request) -> Response:
         eng = self.engine
         if not eng.config.metrics_enabled:
             if self.kind == "llama-server":
                 return eng.error(
                     501, "This server does not support metrics endpoint. Start it with `--metrics`"
                 )
-            return web.Response(status=404, text="Not Found")
+            return Response(status=404, text="Not Found")
         if self.kind == "llama-server":
             if not eng.ready:
                 return eng.loading_response()
             if not eng.authorized(request):
                 return eng.unauthorized()
         text = metrics.render(self.kind, eng.stats, eng.config.primary_name)
-        return web.Response(
+        return Response(
             body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
         )
 
-    async def model_info(self, request: web.Request) -> web.Response:
+    async def model_info(self, request: Request) -> Response:
         cfg = self.engine.config
-        return web.Response(
+        return Response(
             body=_enc(
                 {
                     "model_path": cfg.model,
@@ -454,7 +456,7 @@ class Api:
             content_type=_JSON,
         )
 
-    async def server_info(self, request: web.Request) -> web.Response:
+    async def server_info(self, request: Request) -> Response:
         cfg = self.engine.config
         info: dict[str, Any] = {
             "model_path": cfg.model,
@@ -467,9 +469,9 @@ class Api:
             "host": cfg.host,
             "version": cfg.version,
         }
-        return web.Response(body=_enc(info), content_type=_JSON)
+        return Response(body=_enc(info), content_type=_JSON)
 
-    async def props(self, request: web.Request) -> web.Response:
+    async def props(self, request: Request) -> Response:
         if not self.engine.ready:
             return self.engine.loading_response()
         cfg = self.engine.config
@@ -481,17 +483,17 @@ class Api:
             "build_info": f"b{cfg.version}-llmgwsim",
             "chat_template": "",
         }
-        return web.Response(body=_enc(body), content_type=_JSON)
+        return Response(body=_enc(body), content_type=_JSON)
 
     # ----- vLLM's runtime LoRA endpoints ------------------------------------
 
-    async def load_lora(self, request: web.Request) -> web.Response:
+    async def load_lora(self, request: Request) -> Response:
         eng = self.engine
         gate = self._gate(request, inference=False)
         if gate is not None:
             return gate
         try:
-            body = decode_body(await request.read())
+            body = decode_body(request.body)
         except BadRequest as err:
             return eng.error(400, str(err))
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -500,30 +502,30 @@ class Api:
         if name in eng.loras:
             return eng.error(400, f"The lora adapter '{name}' has already been loaded.")
         eng.loras[name] = path
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+        return Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def unload_lora(self, request: web.Request) -> web.Response:
+    async def unload_lora(self, request: Request) -> Response:
         eng = self.engine
         gate = self._gate(request, inference=False)
         if gate is not None:
             return gate
         try:
-            body = decode_body(await request.read())
+            body = decode_body(request.body)
         except BadRequest as err:
             return eng.error(400, str(err))
         name = body.get("lora_name")
         if not isinstance(name, str) or name not in eng.loras:
             return eng.error(404, f"The lora adapter '{name}' cannot be found.")
         del eng.loras[name]
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        return Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ----- vLLM's tokenizer endpoints ---------------------------------------
 
     # Outside /v1, so vLLM's --api-key does not cover them.
-    async def tokenize(self, request: web.Request) -> web.Response:
+    async def tokenize(self, request: Request) -> Response:
         eng = self.engine
         try:
-            model, prompt = parse_tokenize(decode_body(await request.read()))
+            model, prompt = parse_tokenize(decode_body(request.body))
         except BadRequest as err:
             return eng.error(400, str(err))
         bad = eng.check_model(model)
@@ -536,12 +538,12 @@ class Api:
             "tokens": ids,
             "token_strs": None,
         }
-        return web.Response(body=_enc(body), content_type=_JSON)
+        return Response(body=_enc(body), content_type=_JSON)
 
-    async def detokenize(self, request: web.Request) -> web.Response:
+    async def detokenize(self, request: Request) -> Response:
         eng = self.engine
         try:
-            body = decode_body(await request.read())
+            body = decode_body(request.body)
         except BadRequest as err:
             return eng.error(400, str(err))
         ids = body.get("tokens")
@@ -549,17 +551,17 @@ class Api:
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             return eng.error(400, "'tokens' must be a list of token ids")
-        return web.Response(body=_enc({"prompt": eng.vocab.decode(ids)}), content_type=_JSON)
+        return Response(body=_enc({"prompt": eng.vocab.decode(ids)}), content_type=_JSON)
 
     # ----- embeddings -------------------------------------------------------
 
-    async def embeddings(self, request: web.Request) -> web.Response:
+    async def embeddings(self, request: Request) -> Response:
         eng = self.engine
         gate = self._gate(request, inference=True)
         if gate is not None:
             return gate
         try:
-            req = parse_embedding(decode_body(await request.read()))
+            req = parse_embedding(decode_body(request.body))
         except BadRequest as err:
             return eng.error(400, str(err))
         bad = eng.check_model(req.model) or eng.injected_error(request)
@@ -592,26 +594,26 @@ class Api:
             "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
-        return web.Response(body=_enc(body), content_type=_JSON)
+        return Response(body=_enc(body), content_type=_JSON)
 
     # ----- generation -------------------------------------------------------
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Response | Stream:
         return await self._generate(request, parse_chat)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | Stream:
         return await self._generate(request, parse_completion)
 
     async def _generate(
-        self, request: web.Request, parse: Callable[[dict[str, Any]], Generation]
-    ) -> web.StreamResponse:
+        self, request: Request, parse: Callable[[dict[str, Any]], Generation]
+    ) -> Response | Stream:
         eng = self.engine
         arrival = time.monotonic()
         gate = self._gate(request, inference=True)
         if gate is not None:
             return gate
         try:
-            gen = parse(decode_body(await request.read()))
+            gen = parse(decode_body(request.body))
         except BadRequest as err:
             return eng.error(400, str(err))
         bad = eng.check_model(gen.model) or eng.injected_error(request)
@@ -625,7 +627,7 @@ class Api:
         if bad is not None:
             return bad
         stall_after = eng.knobs.stall_after_tokens
-        stall_raw = request.headers.get(STALL_HEADER)
+        stall_raw = request.headers.get(_STALL_KEY)
         if stall_raw is not None:
             try:
                 stall_after = int(stall_raw)
@@ -673,7 +675,7 @@ class Api:
             kv_held += count
             headers: dict[str, str] | None = None
             if eng.config.request_id_headers:
-                headers = {"X-Request-Id": request.headers.get("X-Request-Id") or eng.new_id("")}
+                headers = {"X-Request-Id": request.headers.get("x-request-id") or eng.new_id("")}
             if gen.stream:
                 resp = await self._stream(
                     request, gen, out_tokens, finish, prompt_len, stall_after, headers
@@ -712,8 +714,10 @@ class Api:
                 _bump(eng.lora_running, lora, -1)
         if eng.crash_due():
             # Deliver this response completely, then die as the engine would.
-            await resp.prepare(request)
-            await resp.write_eof()
+            if isinstance(resp, Response):
+                conn = request.conn
+                head = conn.server.head(resp.status, resp.headers, len(resp.body), False)
+                conn.write(head + resp.body)
             eng._on_crash(f"after {eng.completed} requests")
         return resp
 
@@ -724,7 +728,7 @@ class Api:
         finish: str,
         prompt_len: int,
         headers: dict[str, str] | None,
-    ) -> web.Response:
+    ) -> Response:
         eng = self.engine
         text = "".join(tokens)
         usage = {
@@ -786,18 +790,18 @@ class Api:
                 "usage": usage,
                 "kv_transfer_params": None,
             }
-        return web.Response(body=_enc(body), content_type=_JSON, headers=headers)
+        return Response(body=_enc(body), content_type=_JSON, headers=headers)
 
     async def _stream(
         self,
-        request: web.Request,
+        request: Request,
         gen: Generation,
         tokens: list[str],
         finish: str,
         prompt_len: int,
         stall_after: int | None,
         headers: dict[str, str] | None,
-    ) -> web.StreamResponse:
+    ) -> Response | Stream:
         eng = self.engine
         chat = gen.endpoint == "chat"
         rid = eng.new_id("chatcmpl-" if chat else "cmpl-")
@@ -824,16 +828,24 @@ class Api:
                 b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
             )
 
-        resp = web.StreamResponse(
-            headers={
+        # vLLM adds running usage to every chunk only with both stream options.
+        continuous = gen.include_usage and gen.continuous_usage
+        n = len(tokens)
+        itl = eng.timing.itl
+        limit = n if stall_after is None else min(n, max(0, stall_after))
+        chunked = bool(n and (itl > 0 or limit < n or continuous))
+        # A stream written in one piece may send its headers with the body (one
+        # write instead of two); a paced one shows its headers at once.
+        resp = Stream(request)
+        resp.prepare(
+            200,
+            {
                 "Content-Type": "text/event-stream; charset=utf-8",
                 "Cache-Control": "no-cache",
                 **(headers or {}),
-            }
+            },
+            send_now=chunked,
         )
-        await resp.prepare(request)
-        # vLLM adds running usage to every chunk only with both stream options.
-        continuous = gen.include_usage and gen.continuous_usage
 
         def with_usage(chunk: bytes, done: int) -> bytes:
             if not continuous:
@@ -854,11 +866,8 @@ class Api:
                     0,
                 )
             )
-        n = len(tokens)
-        itl = eng.timing.itl
         encoded = [_token_json(t) for t in tokens] or [b'""']
-        limit = n if stall_after is None else min(n, max(0, stall_after))
-        if n and (itl > 0 or limit < n or continuous):
+        if chunked:
             # Paced, stalling or per-chunk usage: chunk by chunk.
             for i in range(limit):
                 parts.append(with_usage(open_ + encoded[i] + (end if i == n - 1 else mid), i + 1))
@@ -918,36 +927,52 @@ def _embedding(item: str | list[int], dim: int) -> list[float]:
     return [v / norm for v in vec]
 
 
-def build_app(engine: Engine, *, health_only: bool = False) -> web.Application:
+Route = Callable[[Request], Awaitable["Response | Stream"]]
+
+
+def build_app(engine: Engine, *, health_only: bool = False) -> Route:
+    """The engine's routes as one request handler for :class:`HttpServer`."""
     api = Api(engine)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    r = app.router
-    r.add_get("/health", api.health)
+    get: dict[str, Route] = {"/health": api.health}
+    post: dict[str, Route] = {}
     if engine.kind == "sglang":
-        r.add_get("/health_generate", api.health)
-    if health_only:
-        return app
-    r.add_get("/metrics", api.metrics)
-    r.add_get("/v1/models", api.models)
-    r.add_post("/v1/chat/completions", api.chat)
-    r.add_post("/v1/completions", api.completions)
-    r.add_post("/v1/embeddings", api.embeddings)
-    if engine.kind in ("vllm", "sglang"):
-        r.add_get("/version", api.version)
-    if engine.kind == "vllm" and engine.config.runtime_lora_updating:
-        r.add_post("/v1/load_lora_adapter", api.load_lora)
-        r.add_post("/v1/unload_lora_adapter", api.unload_lora)
-    if engine.kind == "vllm":
-        r.add_post("/tokenize", api.tokenize)
-        r.add_post("/detokenize", api.detokenize)
-    if engine.kind == "sglang":
-        r.add_get("/get_model_info", api.model_info)
-        r.add_get("/get_server_info", api.server_info)
-    if engine.kind == "llama-server":
-        r.add_get("/v1/health", api.health)
-        r.add_get("/models", api.models)
-        r.add_get("/props", api.props)
-        r.add_post("/chat/completions", api.chat)
-        r.add_post("/completions", api.completions)
-        r.add_post("/embeddings", api.embeddings)
-    return app
+        get["/health_generate"] = api.health
+    if not health_only:
+        get["/metrics"] = api.metrics
+        get["/v1/models"] = api.models
+        post["/v1/chat/completions"] = api.chat
+        post["/v1/completions"] = api.completions
+        post["/v1/embeddings"] = api.embeddings
+        if engine.kind in ("vllm", "sglang"):
+            get["/version"] = api.version
+        if engine.kind == "vllm" and engine.config.runtime_lora_updating:
+            post["/v1/load_lora_adapter"] = api.load_lora
+            post["/v1/unload_lora_adapter"] = api.unload_lora
+        if engine.kind == "vllm":
+            post["/tokenize"] = api.tokenize
+            post["/detokenize"] = api.detokenize
+        if engine.kind == "sglang":
+            get["/get_model_info"] = api.model_info
+            get["/get_server_info"] = api.server_info
+        if engine.kind == "llama-server":
+            get["/v1/health"] = api.health
+            get["/models"] = api.models
+            get["/props"] = api.props
+            post["/chat/completions"] = api.chat
+            post["/completions"] = api.completions
+            post["/embeddings"] = api.embeddings
+    routes = {"GET": get, "HEAD": get, "POST": post}
+    not_found = Response(404, b'{"detail":"Not Found"}', "application/json")
+    not_allowed = Response(405, b'{"detail":"Method Not Allowed"}', "application/json")
+
+    async def handle(request: Request) -> Response | Stream:
+        table = routes.get(request.method)
+        route = table.get(request.path) if table is not None else None
+        if route is not None:
+            result: Response | Stream = await route(request)
+            return result
+        if any(request.path in t for t in (get, post)):
+            return not_allowed
+        return not_found
+
+    return handle
