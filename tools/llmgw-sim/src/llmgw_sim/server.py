@@ -1,4 +1,4 @@
-"""The simulated engine's HTTP API (aiohttp) on top of the pure model in :mod:`model`."""
+"""The simulated engine's HTTP API (on :mod:`httpserver`) over the pure model in :mod:`model`."""
 
 from __future__ import annotations
 
