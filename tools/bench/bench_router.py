@@ -52,6 +52,13 @@ class Result:
     errors: int
     seconds: float
     latencies: list[float] = field(default_factory=list)
+    # CPU seconds the proxy process used during the run: robust on a busy machine,
+    # where throughput and latency also measure the neighbours.
+    cpu: float = 0.0
+
+    @property
+    def cpu_us(self) -> float:
+        return self.cpu / self.ok * 1e6 if self.ok else float("nan")
 
     @property
     def rps(self) -> float:
@@ -68,6 +75,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of ``pid`` and its threads (children not included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pin(core: str) -> list[str]:
@@ -88,12 +104,12 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: f
 
 
 @contextlib.contextmanager
-def process(argv: list[str], health: str, what: str, log: Path) -> Iterator[None]:
+def process(argv: list[str], health: str, what: str, log: Path) -> Iterator[int]:
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_healthy(health, proc, what)
-            yield
+            yield proc.pid
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -104,7 +120,7 @@ def process(argv: list[str], health: str, what: str, log: Path) -> Iterator[None
                 proc.wait()
 
 
-def simulator(port: int, logs: Path) -> contextlib.AbstractContextManager[None]:
+def simulator(port: int, logs: Path) -> contextlib.AbstractContextManager[int]:
     argv = [
         *_pin("0"), str(BIN / "llmgw-sim"), "vllm", "serve", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024",
@@ -115,10 +131,11 @@ def simulator(port: int, logs: Path) -> contextlib.AbstractContextManager[None]:
 
 def llmgw_router(
     port: int, sim: str, server: str, logs: Path
-) -> contextlib.AbstractContextManager[None]:
+) -> contextlib.AbstractContextManager[int]:
     admin = _free_port()
     config = logs / f"router-{server}.yaml"
-    config.write_text(f"server: {server}\nhealth_checks: {{interval: 5s}}\n")
+    choice = "" if server == "default" else f"server: {server}\n"
+    config.write_text(f"{choice}health_checks: {{interval: 5s}}\n")
     argv = [
         *_pin("1"), str(BIN / "llmgw-router"), "serve", "--config", str(config),
         "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
@@ -131,7 +148,7 @@ def llmgw_router(
 
 def vllm_router(
     binary: str, port: int, sim: str, logs: Path
-) -> contextlib.AbstractContextManager[None]:
+) -> contextlib.AbstractContextManager[int]:
     argv = [
         *_pin("1"), binary, "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", sim, "--policy", "round_robin",
@@ -172,7 +189,7 @@ async def _worker(
 
 
 async def run_cell(
-    target: str, base: str, *, stream: bool, concurrency: int, seconds: float
+    target: str, base: str, pid: int, *, stream: bool, concurrency: int, seconds: float
 ) -> Result:
     payload: dict[str, object] = {
         "model": MODEL,
@@ -192,6 +209,7 @@ async def run_cell(
             *(_worker(session, url, body, stream, stop, warm) for _ in range(concurrency))
         )
         result = Result(target, 0, 0, 0)
+        cpu_before = cpu_seconds(pid) if pid else 0.0
         start = time.monotonic()
         await asyncio.gather(
             *(
@@ -200,6 +218,7 @@ async def run_cell(
             )
         )
         result.seconds = time.monotonic() - start
+        result.cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
     return result
 
 
@@ -210,7 +229,7 @@ def _fmt_ms(seconds: float) -> str:
 def print_table(rows: list[tuple[str, int, dict[str, Result]]], targets: list[str]) -> None:
     print(
         f"{'case':<11} {'conc':>4}  {'target':<16} {'req/s':>8} {'x direct':>8}"
-        f" {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'+p99 ms':>7}"
+        f" {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'+p99 ms':>7} {'cpu us/req':>10}"
     )
     for case, conc, results in rows:
         direct = results.get("direct")
@@ -222,9 +241,10 @@ def print_table(rows: list[tuple[str, int, dict[str, Result]]], targets: list[st
             added50 = _fmt_ms(r.pct(0.5) - direct.pct(0.5)) if direct else ""
             added99 = _fmt_ms(r.pct(0.99) - direct.pct(0.99)) if direct else ""
             errors = f"  ({r.errors} errors)" if r.errors else ""
+            cpu = f"{r.cpu_us:10.0f}" if r.cpu else f"{'':>10}"
             print(
                 f"{case:<11} {conc:>4}  {target:<16} {r.rps:8.0f} {ratio}"
-                f" {_fmt_ms(r.pct(0.5))} {_fmt_ms(r.pct(0.99))} {added50} {added99}{errors}"
+                f" {_fmt_ms(r.pct(0.5))} {_fmt_ms(r.pct(0.99))} {added50} {added99} {cpu}{errors}"
             )
         ours, peer = results.get("llmgw"), results.get("vllm-router")
         if ours and peer and peer.rps:
@@ -244,7 +264,13 @@ def main() -> int:
         "--targets",
         nargs="+",
         default=["direct", "llmgw", "vllm-router"],
-        choices=["direct", "llmgw", "llmgw-hypercorn", "vllm-router"],
+        choices=[
+            "direct",
+            "llmgw",
+            "llmgw-uvicorn",
+            "llmgw-hypercorn",
+            "vllm-router",
+        ],
     )
     parser.add_argument("--vllm-router", default="/tmp/vr-venv/bin/vllm-router")
     args = parser.parse_args()
@@ -274,14 +300,15 @@ def main() -> int:
         stack.enter_context(simulator(sim_port, logs))
         sim = f"http://127.0.0.1:{sim_port}"
         bases = {"direct": sim}
+        pids = {"direct": 0}
         for target in targets:
             port = _free_port()
-            if target == "llmgw":
-                stack.enter_context(llmgw_router(port, sim, "uvicorn", logs))
-            elif target == "llmgw-hypercorn":
-                stack.enter_context(llmgw_router(port, sim, "hypercorn", logs))
+            if target.startswith("llmgw"):
+                # `llmgw` is the default server; the others name theirs.
+                server = target.partition("-")[2] or "default"
+                pids[target] = stack.enter_context(llmgw_router(port, sim, server, logs))
             elif target == "vllm-router":
-                stack.enter_context(vllm_router(args.vllm_router, port, sim, logs))
+                pids[target] = stack.enter_context(vllm_router(args.vllm_router, port, sim, logs))
             if target != "direct":
                 bases[target] = f"http://127.0.0.1:{port}"
         print(
@@ -298,6 +325,7 @@ def main() -> int:
                             run_cell(
                                 target,
                                 bases[target],
+                                pids[target],
                                 stream=stream,
                                 concurrency=conc,
                                 seconds=args.seconds,

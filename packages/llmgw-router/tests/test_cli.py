@@ -7,13 +7,37 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from llmgw_router.cli import main
 from llmgw_router.config import parse_endpoint_flag
 
 ROUTER = str(Path(sys.executable).parent / "llmgw-router")
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([ROUTER, "serve", *args], capture_output=True, text=True, timeout=60)
+class Outcome:
+    def __init__(self, returncode: int, stderr: str) -> None:
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+def run(*args: str) -> Outcome:
+    """`llmgw-router serve ARGS` in this process: the same code, without a second start-up."""
+    result = CliRunner().invoke(main, ["serve", *args])
+    return Outcome(result.exit_code, result.stderr)
+
+
+def test_bad_endpoint_flag_as_a_real_process() -> None:
+    result = subprocess.run(
+        [ROUTER, "serve", "--endpoint", "e1=http://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == "error: --endpoint: expected id=URL=model[,model], got 'e1=http://127.0.0.1:1'\n"
+    )
 
 
 @pytest.mark.parametrize(

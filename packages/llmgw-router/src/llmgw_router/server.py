@@ -25,7 +25,6 @@ from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
 from llmgw_router.proxy import ProxyApp, RouterState
-from llmgw_router.watch import EndpointWatcher
 
 __all__ = ["run", "serve"]
 
@@ -90,6 +89,10 @@ async def serve(
     if config.health_checks.enabled:
         background.append(asyncio.create_task(HealthChecker(state, session).run()))
     if config.control is not None:
+        # Imported here: grpclib and the generated messages cost a router with static
+        # endpoints nearly half a second of start-up.
+        from llmgw_router.watch import EndpointWatcher
+
         watcher = EndpointWatcher(
             state,
             config.control,
