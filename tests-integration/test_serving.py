@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 from llmgw_testkit.cluster import Cluster, vllm_profile
 
 
 def test_register_place_launch_and_stream_through_the_router(cluster: Cluster) -> None:
-    cluster.start_control([{"name": "chat", "profiles": {"default": vllm_profile(gpus=2, replicas=2)}}])
+    cluster.start_control(
+        [{"name": "chat", "profiles": {"default": vllm_profile(gpus=2, replicas=2)}}]
+    )
     labels = {"fabric.nvlink-domain": "nvl-1", "fabric.ib-subnet": "ib-7", "zone": "a"}
     cluster.start_agent("gpu-a", gpus=8, labels=labels)
-    cluster.start_agent("gpu-b", gpus=4, labels={"fabric.nvlink-domain": "nvl-2", "fabric.ib-subnet": "ib-7"})
+    cluster.start_agent(
+        "gpu-b", gpus=4, labels={"fabric.nvlink-domain": "nvl-2", "fabric.ib-subnet": "ib-7"}
+    )
     cluster.start_router()
 
     # Registration carried the whole inventory and the fabric labels.
@@ -27,11 +33,11 @@ def test_register_place_launch_and_stream_through_the_router(cluster: Cluster) -
         assert len(shard["gpu_indices"]) == 2
         assert shard["pid"] > 0
         # The engine runs the command line the vLLM adapter built.
-        cmdline = open(f"/proc/{shard['pid']}/cmdline", "rb").read().split(b"\0")
+        cmdline = Path(f"/proc/{shard['pid']}/cmdline").read_bytes().split(b"\0")
         assert b"serve" in cmdline
         assert cmdline[cmdline.index(b"--tensor-parallel-size") + 1] == b"2"
         assert cmdline[cmdline.index(b"--port") + 1] == str(shard["port"]).encode()
-        environ = open(f"/proc/{shard['pid']}/environ", "rb").read().split(b"\0")
+        environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
         visible = ",".join(str(i) for i in shard["gpu_indices"]).encode()
         assert b"CUDA_VISIBLE_DEVICES=" + visible in environ
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from llmgw_testkit import Proc, free_port, wait_for
 
-__all__ = ["Cluster", "bin_path", "vllm_profile"]
+__all__ = ["Cluster", "bin_path", "metric_sum", "poll", "vllm_profile"]
 
 
 def bin_path(name: str) -> str:
@@ -348,3 +348,18 @@ def poll(fn: Callable[[], Any], seconds: float) -> list[Any]:
         out.append(fn())
         time.sleep(0.1)
     return out
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of every sample of ``name`` in Prometheus text whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total
