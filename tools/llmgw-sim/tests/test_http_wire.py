@@ -108,6 +108,20 @@ def test_expect_100_continue(sim: Sim) -> None:
     assert status == 200
 
 
+def test_head_request_has_no_body(sim: Sim) -> None:
+    with connect(sim) as sock:
+        sock.sendall(b"HEAD /version HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\n\r\n")
+        buf = bytearray()
+        while b"\r\n\r\n" not in buf:
+            buf += sock.recv(65536)
+        head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        assert b"content-length: 20" in head
+        # The next response follows at once: no body bytes in between.
+        buf[:] = rest
+        assert read_response(sock, buf)[0] == 200
+
+
 def test_http_10_closes_after_response(sim: Sim) -> None:
     with connect(sim) as sock:
         sock.sendall(b"GET /version HTTP/1.0\r\n\r\n")

@@ -151,6 +151,10 @@ async def _stream_all(
 async def test_sigterm_lets_running_requests_finish(tmp_path: Path) -> None:
     with start(tmp_path, "vllm", ["--sim-itl", "0.05"]) as sim:
         body = {**CHAT, "max_tokens": 30, "stream": True}
+        # An idle keep-alive connection: shutdown closes it at once.
+        reader, writer = await asyncio.open_connection("127.0.0.1", sim.port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         task = asyncio.create_task(_stream_all(sim.url, body))
         await wait_for_async(
             lambda: asyncio.to_thread(sim.metric, "vllm:num_requests_running"),
@@ -160,6 +164,8 @@ async def test_sigterm_lets_running_requests_finish(tmp_path: Path) -> None:
         await wait_for_async(
             lambda: asyncio.to_thread(lambda: not port_open(sim.port)), what="listener closed"
         )
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+        writer.close()
         events = await task
         assert events[-1] == "data: [DONE]"
         assert sum('"content"' in e for e in events) == 31  # role chunk + 30 tokens

@@ -330,11 +330,17 @@ class HttpConnection(asyncio.Protocol):
                     await result.write_eof()
             else:
                 status = result.status
-                keep_alive = keep_alive and "Connection" not in result.headers
+                # Decided now: a drain may have begun while the handler ran.
+                keep_alive = (
+                    keep_alive and not server.draining and "Connection" not in result.headers
+                )
                 head = server.head(status, result.headers, len(result.body), keep_alive)
-                self.write(head + result.body if len(result.body) < 65536 else head)
-                if len(result.body) >= 65536:
-                    self.write(result.body)
+                body = b"" if req.method == "HEAD" else result.body
+                if len(body) < 65536:
+                    self.write(head + body)
+                else:
+                    self.write(head)
+                    self.write(body)
         except asyncio.CancelledError:
             keep_alive = False
             if not self.closing and not self.wrote:
@@ -405,7 +411,7 @@ class HttpServer:
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
         if length is not None:
             lines.append(b"content-length: %d\r\n" % length)
-        if not keep_alive:
+        if not keep_alive and "Connection" not in headers:
             lines.append(b"connection: close\r\n")
         lines.append(b"\r\n")
         return b"".join(lines)
