@@ -139,3 +139,19 @@ def test_llama_server_unknown_flag_and_load_failure(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "llama_model_load: error loading model: bad magic" in proc.output
     assert "main: exiting due to model loading error" in proc.tail(1)
+
+
+def test_sglang_worker_rank_serves_only_health(tmp_path: Path) -> None:
+    args = [
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--dist-init-addr",
+        "10.0.0.1:5000",
+    ]
+    with start(tmp_path, "sglang", args, env={"CUDA_VISIBLE_DEVICES": "3"}) as sim:
+        assert httpx.get(sim.url + "/health").status_code == 200
+        assert httpx.get(sim.url + "/v1/models").status_code == 404

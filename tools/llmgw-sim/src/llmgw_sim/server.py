@@ -121,7 +121,7 @@ class Engine:
         self._id_prefix = os.urandom(6).hex()
         self._rng = random.Random(knobs.seed)
         self._error_types = [t for t in knobs.error_types.split(",") if t]
-        self._on_crash = on_crash
+        self.crash = on_crash
         self._names = set(config.served_names)
         self.loras: dict[str, str] = dict(config.lora_modules)
         # Requests per adapter, for vllm:lora_requests_info.
@@ -718,7 +718,7 @@ class Api:
                 conn = request.conn
                 head = conn.server.head(resp.status, resp.headers, len(resp.body), False)
                 conn.write(head + resp.body)
-            eng._on_crash(f"after {eng.completed} requests")
+            eng.crash(f"after {eng.completed} requests")
         return resp
 
     def _full(
