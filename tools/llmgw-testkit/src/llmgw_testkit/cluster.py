@@ -22,7 +22,7 @@ from typing import Any
 
 from llmgw_testkit import Proc, free_port, wait_for
 
-__all__ = ["Cluster", "bin_path", "metric_sum", "poll", "vllm_profile"]
+__all__ = ["Cluster", "SystemView", "bin_path", "metric_sum", "poll", "vllm_profile"]
 
 
 def bin_path(name: str) -> str:
@@ -62,7 +62,82 @@ def vllm_profile(
     return profile
 
 
-class Cluster:
+class SystemView:
+    """Read the state of a running system: the control plane's admin API and the router."""
+
+    def __init__(self, admin_port: int, router_port: int, router_admin_port: int) -> None:
+        self.admin_port = admin_port
+        self.router_port = router_port
+        self.router_admin_port = router_admin_port
+        self.control: Proc | None = None
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    @staticmethod
+    def _died(proc: Proc | None) -> bool:
+        if proc is not None and not proc.alive():
+            raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+        return False
+
+    @staticmethod
+    def _healthy(port: int, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+                return int(resp.status) == 200
+        except OSError:
+            return False
+
+    def admin(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.admin("/v1/status")
+        return result
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.admin_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        return next((n for n in self.status()["nodes"] if n["node_id"] == node_id), None)
+
+    def replicas(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.status()["replicas"] if r["model"] == model]
+
+    def wait_replicas(
+        self, model: str, count: int, *, state: str = "ready", timeout: float = 60.0
+    ) -> list[dict[str, Any]]:
+        def enough() -> list[dict[str, Any]] | None:
+            self._died(self.control)
+            found = [r for r in self.replicas(model) if r["state"] == state]
+            return found if len(found) >= count else None
+
+        return wait_for(enough, timeout=timeout, what=f"{count} {state} replica(s) of {model}")
+
+    def wait_node_state(self, node_id: str, state: str, timeout: float = 60.0) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            node = self.node(node_id)
+            return node if node is not None and node["state"] == state else None
+
+        return wait_for(reached, timeout=timeout, what=f"node {node_id} {state}")
+
+    def router_models(self) -> set[str]:
+        with urllib.request.urlopen(f"{self.router_url}/v1/models", timeout=5) as resp:  # noqa: S310
+            return {m["id"] for m in json.loads(resp.read())["data"]}
+
+    def wait_router_models(self, *models: str, timeout: float = 60.0) -> None:
+        wait_for(
+            lambda: set(models) <= self.router_models(),
+            timeout=timeout,
+            what=f"router serving {', '.join(models)}",
+        )
+
+
+class Cluster(SystemView):
     """Start, inspect and stop the programs of one llmgw system under ``workdir``."""
 
     def __init__(
@@ -76,11 +151,8 @@ class Cluster:
         self.insecure = insecure
         self.logs = workdir / "logs"
         self.certs = workdir / "certs"
+        super().__init__(free_port(), free_port(), free_port())
         self.grpc_port = free_port()
-        self.admin_port = free_port()
-        self.router_port = free_port()
-        self.router_admin_port = free_port()
-        self.control: Proc | None = None
         self.router: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self._procs: list[Proc] = []
@@ -241,73 +313,6 @@ class Cluster:
             what="router /healthz",
         )
         return self.router
-
-    @property
-    def router_url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
-
-    # -- looking ------------------------------------------------------------
-
-    @staticmethod
-    def _died(proc: Proc | None) -> bool:
-        if proc is not None and not proc.alive():
-            raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
-        return False
-
-    @staticmethod
-    def _healthy(port: int, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
-                return int(resp.status) == 200
-        except OSError:
-            return False
-
-    def admin(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as resp:
-            return json.loads(resp.read())
-
-    def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = self.admin("/v1/status")
-        return result
-
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.admin_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return str(resp.read().decode())
-
-    def node(self, node_id: str) -> dict[str, Any] | None:
-        return next((n for n in self.status()["nodes"] if n["node_id"] == node_id), None)
-
-    def replicas(self, model: str) -> list[dict[str, Any]]:
-        return [r for r in self.status()["replicas"] if r["model"] == model]
-
-    def wait_replicas(
-        self, model: str, count: int, *, state: str = "ready", timeout: float = 60.0
-    ) -> list[dict[str, Any]]:
-        def enough() -> list[dict[str, Any]] | None:
-            self._died(self.control)
-            found = [r for r in self.replicas(model) if r["state"] == state]
-            return found if len(found) >= count else None
-
-        return wait_for(enough, timeout=timeout, what=f"{count} {state} replica(s) of {model}")
-
-    def wait_node_state(self, node_id: str, state: str, timeout: float = 60.0) -> dict[str, Any]:
-        def reached() -> dict[str, Any] | None:
-            node = self.node(node_id)
-            return node if node is not None and node["state"] == state else None
-
-        return wait_for(reached, timeout=timeout, what=f"node {node_id} {state}")
-
-    def router_models(self) -> set[str]:
-        with urllib.request.urlopen(f"{self.router_url}/v1/models", timeout=5) as resp:  # noqa: S310
-            return {m["id"] for m in json.loads(resp.read())["data"]}
-
-    def wait_router_models(self, *models: str, timeout: float = 60.0) -> None:
-        wait_for(
-            lambda: set(models) <= self.router_models(),
-            timeout=timeout,
-            what=f"router serving {', '.join(models)}",
-        )
 
     # -- stopping -----------------------------------------------------------
 
