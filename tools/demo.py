@@ -169,7 +169,10 @@ def main() -> int:
     except TimeoutError as err:
         print(f"\nthe demo did not come up: {err}", file=sys.stderr)
         for proc in procs:
-            print(f"----- {proc.name} (last lines of {proc.log_path})\n{proc.tail(15)}", file=sys.stderr)
+            print(
+                f"----- {proc.name} (last lines of {proc.log_path})\n{proc.tail(15)}",
+                file=sys.stderr,
+            )
         failed = True
     finally:
         say("stopping the router, the agents (and their engines) and the control plane")
