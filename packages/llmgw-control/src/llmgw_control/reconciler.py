@@ -498,9 +498,9 @@ class _Pass:
         # Ports belong to an address, not to a node: agents that share a host (or one
         # NAT address) share its ports, so their views share one set of used ports.
         port_spaces: dict[str, set[int]] = {}
-        for view in views.values():
-            if view.address:
-                view.used_ports = port_spaces.setdefault(view.address, set())
+        for each in views.values():
+            if each.address:
+                each.used_ports = port_spaces.setdefault(each.address, set())
         for r in self.state.replicas.values():
             for plan in r.shards:
                 view = views.get(plan.node_id)
