@@ -164,6 +164,7 @@ class Counters:
 @dataclass
 class SimAgent:
     node_id: str
+    address: str
     port: int
     heartbeat: float
     counters: Counters
@@ -180,7 +181,7 @@ class SimAgent:
                     hostname=self.node_id,
                     gpus=[v1.Gpu(index=0, uuid=f"GPU-{self.node_id}", name="NVIDIA H100",
                                  memory_total_bytes=80 * GiB)],
-                    interfaces=[v1.NetworkInterface(name="lo", addresses=["127.0.0.1"])],
+                    interfaces=[v1.NetworkInterface(name="lo", addresses=[self.address])],
                     simulated=True,
                 ),
                 shards=list(self.running.values()),
@@ -236,7 +237,7 @@ class SimAgent:
         if msg.start_shard is not None:
             s = msg.start_shard
             self.counters.starts += 1
-            url = f"http://127.0.0.1:{s.port}"
+            url = f"http://{self.address}:{s.port}"
             self.running[s.shard_id] = v1.RunningShard(
                 shard_id=s.shard_id, replica_id=s.replica_id, model=s.model, profile=s.profile,
                 state=S.READY, endpoint_url=url, gpu_indices=list(s.gpu_indices), port=s.port,
@@ -354,7 +355,14 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
     control = ControlProcess(workdir, args.agents, args.heartbeat, args.control_core)
     counters = Counters()
     agents = [
-        SimAgent(f"node-{i:05d}", control.grpc_port, args.heartbeat, counters)
+        # Each its own host (127.0.0.0/8 is all loopback): engine ports are per address.
+        SimAgent(
+            f"node-{i:05d}",
+            f"127.0.{i // 250}.{i % 250 + 1}",
+            control.grpc_port,
+            args.heartbeat,
+            counters,
+        )
         for i in range(args.agents)
     ]
     tasks: list[asyncio.Task[None]] = []

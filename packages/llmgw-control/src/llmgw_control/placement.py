@@ -369,8 +369,14 @@ class Placer:
         self.port_range = port_range
         # (gpu name, min memory) -> free GPU count -> ids of READY nodes with an address.
         self._index: dict[tuple[str, int], dict[int, set[str]]] = {}
+        # Until something is placed, a demand that did not fit still does not: many
+        # unplaceable replicas of one profile cost one explaining scan, not one each.
+        self._failed: dict[Demand, Unplaceable] = {}
 
     def place(self, demand: Demand) -> Placement | Unplaceable:
+        failed = self._failed.get(demand)
+        if failed is not None:
+            return failed
         result: Placement | Unplaceable | None = None
         if demand.nodes == 1 and demand.gpus_per_node > 0:
             result = self._fast(demand)
@@ -378,9 +384,12 @@ class Placer:
             result = place(demand, self.nodes.values(), self.port_range)
         if isinstance(result, Placement):
             self.commit(result)
+        else:
+            self._failed[demand] = result
         return result
 
     def commit(self, placement: Placement) -> None:
+        self._failed.clear()
         commit(placement, self.nodes)
         for shard in placement.shards:
             self._reindex(self.nodes[shard.node_id])
