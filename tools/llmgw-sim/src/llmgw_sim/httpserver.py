@@ -103,6 +103,7 @@ class Stream:
         """Set the status line and headers; without ``send_now`` they go out with the
         first body write (one write instead of two for a stream sent in one piece)."""
         extra = {"Transfer-Encoding": "chunked", **headers}
+        self._conn.status = status
         self._head = self._conn.server.head(status, extra, None, self.keep_alive)
         if send_now:
             self._conn.write(self._head)
@@ -145,8 +146,9 @@ class HttpConnection(asyncio.Protocol):
         self._continue_sent = False
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
-        # Whether the current request has written anything yet.
+        # Whether the current request has written anything yet, and its status.
         self.wrote = False
+        self.status = 0
 
     # ----- asyncio.Protocol -------------------------------------------------
 
@@ -223,6 +225,7 @@ class HttpConnection(asyncio.Protocol):
             self.task = self.server.loop.create_task(self._run(req))
 
     def write_simple(self, status: int, message: str) -> None:
+        self.status = status
         body = message.encode()
         head = self.server.head(status, {"Content-Type": "text/plain"}, len(body), False)
         with contextlib.suppress(ConnectionError):
@@ -319,22 +322,21 @@ class HttpConnection(asyncio.Protocol):
     async def _run(self, req: Request) -> None:
         server = self.server
         keep_alive = req.keep_alive and not server.draining
-        status = 500
         self.wrote = False
+        self.status = 0
         try:
             result = await server.handler(req)
             if isinstance(result, Stream):
-                status = 200
                 keep_alive = keep_alive and result.keep_alive
                 if not result.done:
                     await result.write_eof()
             else:
-                status = result.status
+                self.status = result.status
                 # Decided now: a drain may have begun while the handler ran.
                 keep_alive = (
                     keep_alive and not server.draining and "Connection" not in result.headers
                 )
-                head = server.head(status, result.headers, len(result.body), keep_alive)
+                head = server.head(result.status, result.headers, len(result.body), keep_alive)
                 body = b"" if req.method == "HEAD" else result.body
                 if len(body) < 65536:
                     self.write(head + body)
@@ -357,6 +359,8 @@ class HttpConnection(asyncio.Protocol):
             self.task = None
             self.busy = False
         if server.access_logger is not None:
+            # Like uvicorn: the status sent, even if the client left mid-stream.
+            status = self.status or 500
             reason = _REASONS.get(status, "")
             server.access_logger.info(
                 'INFO:     %s - "%s %s %s" %d %s',
