@@ -178,6 +178,29 @@ def test_default_profile_is_preferred(spawn_router: Spawn, upstreams: list[Upstr
     assert httpx.post(url, json={"model": "m1"}).headers["x-upstream-id"] == "e1"
 
 
+def test_session_affinity_keeps_a_session_on_one_endpoint(
+    spawn_router: Spawn, upstreams: list[Upstream]
+) -> None:
+    e1, e2 = upstreams
+    router = spawn_router(
+        {
+            "balancer": "session_affinity",
+            "affinity": {"header": "x-session"},
+            "endpoints": [e1.entry(["m1"]), e2.entry(["m1"])],
+        }
+    )
+    url = router.url + "/v1/chat/completions"
+
+    def served(**kw: Any) -> set[str]:
+        return {httpx.post(url, **kw).headers["x-upstream-id"] for _ in range(8)}
+
+    by_header = {s: served(json={"model": "m1"}, headers={"x-session": s}) for s in "abcdefgh"}
+    assert all(len(ids) == 1 for ids in by_header.values()), by_header
+    assert set().union(*by_header.values()) == {"e1", "e2"}, "sessions spread over both"
+    for user in ("alice", "bob", "carol"):
+        assert len(served(json={"model": "m1", "user": user})) == 1
+
+
 def test_api_keys(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
     e1, _ = upstreams
     router = spawn_router({"api_keys": ["sk-one", "sk-two"], "endpoints": [e1.entry(["m1"])]})

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 from llmgw_testkit import wait_for
 
 Spawn = Callable[..., Any]
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def sse_events(text: str) -> list[str]:
@@ -104,10 +106,53 @@ def test_client_disconnect_ends_the_engine_request(
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        assert engine.running() == 1
+        wait_for(lambda: engine.running() == 1, what="engine request running")
     # 300 tokens at 0.1 s take 30 s; the engine must stop long before that.
     wait_for(lambda: engine.running() == 0, timeout=15, what="engine request ended")
     wait_for(
         lambda: 'llmgw_router_client_disconnects_total{model="m1"} 1.0' in router.metrics(),
         what="disconnect counted",
+    )
+
+
+def test_stalled_stream_ends_with_an_error_event(spawn_engines: Spawn, spawn_router: Spawn) -> None:
+    """After the first byte nothing can be retried: the idle deadline ends the stream in-band."""
+    (engine,) = spawn_engines(1, "--sim-stall-after-tokens", "3")
+    # The model's own deadline overrides the global one.
+    router = static_router(
+        spawn_router, [engine], deadlines={"idle": "60s"}, models={"m1": {"idle": "1s"}}
+    )
+    body = {"model": "m1", "stream": True, "max_tokens": 20, "messages": MESSAGES}
+    r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "upstream_error"
+    assert "no data from sim0 for 1s" in error["message"]
+    assert sum(1 for e in events if '"content"' in e) >= 3
+    metrics = router.metrics()
+    assert (
+        'llmgw_router_upstream_errors_total{endpoint="sim0",reason="timeout_idle"} 1.0' in metrics
+    )
+
+
+def test_hypercorn_server_streams(spawn_engines: Spawn, spawn_router: Spawn) -> None:
+    """`server: hypercorn` (the benchmark's comparison) serves the same app."""
+    (engine,) = spawn_engines(1, "--sim-itl", "0.01")
+    router = static_router(spawn_router, [engine], server="hypercorn")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(
+        model="m1",
+        messages=MESSAGES,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+    assert (
+        "server=hypercorn" in router.proc.output()
+        or '"server": "hypercorn"' in router.proc.output()
     )

@@ -94,6 +94,21 @@ class _UpstreamFailure(Exception):
         self.response = response
 
 
+class _Exchange:
+    """The client side of one request: notes when the last response message goes out."""
+
+    __slots__ = ("_send", "finishing")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.finishing = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finishing = True
+        await self._send(message)
+
+
 class _ClientGone(Exception):
     pass
 
@@ -405,30 +420,34 @@ class ProxyApp:
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.Event()
-        watcher = asyncio.create_task(self._watch_client(receive, task, gone))
+        exchange = _Exchange(send)
+        watcher = asyncio.create_task(self._watch_client(receive, task, gone, exchange))
         state.in_flight += 1
         try:
-            await self._serve(scope, send, body, model, candidates, key, started)
+            await self._serve(scope, exchange.send, body, model, candidates, key, started)
         except asyncio.CancelledError:
             if not gone.is_set():
                 raise
             # The client went away: the upstream request is closed by now; nothing to answer.
             task.uncancel()
             state.metrics.child(state.metrics.client_disconnects, model).inc()
-            log.info("client disconnected", model=model)
+            log.info("client disconnected", model=model, after=round(time.monotonic() - started, 3))
         finally:
             state.in_flight -= 1
             watcher.cancel()
 
     @staticmethod
     async def _watch_client(
-        receive: Receive, handler: asyncio.Task[Any], gone: asyncio.Event
+        receive: Receive, handler: asyncio.Task[Any], gone: asyncio.Event, exchange: _Exchange
     ) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                gone.set()
-                handler.cancel()
+                # Some servers (hypercorn) also say "disconnect" once the response is
+                # complete; only one that comes before the last byte cancels anything.
+                if not exchange.finishing:
+                    gone.set()
+                    handler.cancel()
                 return
 
     async def _serve(
