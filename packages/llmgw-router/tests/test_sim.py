@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import openai
-from openai.types.chat import ChatCompletionMessageParam
 from llmgw_testkit import wait_for
+from openai.types.chat import ChatCompletionMessageParam
 
 Spawn = Callable[..., Any]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
