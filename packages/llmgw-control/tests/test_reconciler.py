@@ -295,3 +295,15 @@ def test_level_triggered_and_never_double_books(
                     assert (plan.node_id, item) not in used
                     used.add((plan.node_id, item))
         assert len(world.state.replicas) == replicas
+
+
+def test_next_at_names_the_next_deadline_and_is_inf_when_settled() -> None:
+    world = World(catalog(), make_node("a"))
+    (start,) = starts(world.step())
+    world.report(start, S.READY)
+    assert world.step().next_at == float("inf")
+    world.report(start, S.FAILED, reason="boom")
+    d = world.step()
+    assert d.next_at == world.now + 1.0  # base_backoff: the retry is the next deadline
+    assert world.step(0.5).commands == []
+    assert len(starts(world.step(0.5))) == 1

@@ -49,6 +49,7 @@ ENGINES = {
 }
 # vLLM, SGLang and llama-server all answer their health check here.
 HEALTH_PATH = "/health"
+RESYNC = 60.0
 
 
 def settings_of(c: ControlSettings) -> Settings:
@@ -108,13 +109,19 @@ class Controller:
         self._sent: dict[str, Command] = {}
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
+        # A pass is skipped while nothing changed and no deadline is due; the
+        # reconciler still runs in full every RESYNC seconds, whatever happened.
+        self._dirty = True
+        self._next_at = 0.0
+        self._resync_at = 0.0
+        self.ticks = 0
         self.metrics.count_fleet(self.node_counts, self.replica_counts)
 
     # --- agent events ---------------------------------------------------------------
 
     def on_register(self, session: Session, msg: v1.Register) -> None:
         self.inventory.register(msg, session.session_id, session.peer_host, time.monotonic())
-        self._wake.set()
+        self._changed()
 
     def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
         self.inventory.heartbeat(session.node_id, session.session_id, msg, time.monotonic())
@@ -131,11 +138,11 @@ class Controller:
             state=v1.ShardState(msg.state).name,
             reason=msg.reason or None,
         )
-        self._wake.set()
+        self._changed()
 
     def on_disconnect(self, session: Session) -> None:
         self.inventory.disconnect(session.node_id, session.session_id)
-        self._wake.set()
+        self._changed()
 
     def on_command_result(
         self, node_id: str, command_id: str, ok: bool, error: str, *, answered: bool
@@ -150,11 +157,12 @@ class Controller:
         # went unanswered are sent again.
         if command is not None and not answered:
             unsend(self.state, command)
-            self._wake.set()
+            self._changed()
 
     # --- the loop -------------------------------------------------------------------
 
-    def wake(self) -> None:
+    def _changed(self) -> None:
+        self._dirty = True
         self._wake.set()
 
     async def run(self) -> None:
@@ -176,14 +184,24 @@ class Controller:
     def settings_interval(self) -> float:
         return float(self.config.control.interval)
 
-    def reconcile_now(self) -> None:
+    def reconcile_now(self, *, force: bool = False) -> None:
         started = time.perf_counter()
         now = time.monotonic()
+        self.ticks += 1
         c = self.config.control
         for node in self.inventory.refresh(now, c.unreachable_after, c.lost_after):
             log.info("node state", node_id=node.node_id, state=node.state.value)
+            self._dirty = True
+        # Same input, no deadline due: the pass would send nothing. On a large fleet
+        # a pass costs enough to delay heartbeats, so it is not run for nothing.
+        if not (force or self._dirty or now >= self._next_at or now >= self._resync_at):
+            return
+        self._dirty = False
+        if now >= self._resync_at:
+            self._resync_at = now + RESYNC
         decision = reconcile(self.catalog, self.inventory.nodes, self.state, now, self.settings)
         self.state = decision.state
+        self._next_at = decision.next_at
         for command in decision.commands:
             self._dispatch(command)
         self.publisher.update(self.endpoints())
@@ -198,6 +216,7 @@ class Controller:
         msg = self._message(command, command_id)
         if not self.agents.send(command.node_id, command_id, msg):
             unsend(self.state, command)
+            self._dirty = True
             return
         self._sent[command_id] = command
         log.info(
@@ -260,7 +279,7 @@ class Controller:
         self.catalog = loaded.catalog
         self.settings = settings_of(loaded.config.control)
         log.info("config reloaded", profiles=len(loaded.catalog.profiles))
-        self._wake.set()
+        self._changed()
 
     # --- what is published and shown ------------------------------------------------
 
@@ -325,6 +344,7 @@ class Controller:
         return {
             "started": _iso(self.started),
             "reconciles": self.state.passes,
+            "ticks": self.ticks,
             "publish_version": self.publisher.version,
             "nodes": nodes,
             "replicas": replicas,
@@ -347,6 +367,7 @@ class Controller:
             replicas[state] = replicas.get(state, 0) + 1
         return {
             "reconciles": self.state.passes,
+            "ticks": self.ticks,
             "publish_version": self.publisher.version,
             "streams": len(self.agents.sessions),
             "nodes": nodes,

@@ -158,6 +158,9 @@ Command = Start | Stop | Drain
 class Decision:
     state: ControlState
     commands: list[Command]
+    # The earliest time at which a pass could decide differently with no new input
+    # (a backoff ends, a drain deadline passes, ...); inf when nothing is pending.
+    next_at: float = float("inf")
 
 
 def new_replica_id(model: str, profile: str) -> str:
@@ -267,7 +270,20 @@ class _Pass:
         self._place()
         self._stop_orphans()
         self._forget_old()
-        return Decision(self.state, self.commands)
+        return Decision(self.state, self.commands, self._next_at())
+
+    def _next_at(self) -> float:
+        """Every clock comparison a pass makes, as the moment it would flip."""
+        times = [self.state.started_at + self.s.startup_grace]
+        for r in self.state.replicas.values():
+            if r.draining:
+                times.append(r.drain_deadline + self.s.stop_grace)
+            elif not r.placed:
+                times.append(r.retry_at)
+            elif not r.complete:
+                times.append(r.created_at + self.s.adopt_grace)
+        # Strictly later than now: a time already passed was acted on in this pass.
+        return min((t for t in times if t > self.now), default=float("inf"))
 
     # --- adoption ---------------------------------------------------------------------
 
