@@ -198,6 +198,7 @@ def _control_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--snapshot", type=Path, required=True)
+    parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CA"), type=Path)
     args = parser.parse_args(argv)
 
     def read() -> tuple[str, EndpointSnapshot | None]:
@@ -240,8 +241,11 @@ def _control_main(argv: list[str]) -> None:
                 await asyncio.sleep(0.05)
 
     async def serve() -> None:
+        from llmgw_proto.tls import server_context
+
         server = Server([Scripted()])
-        await server.start("127.0.0.1", args.port)
+        ssl = server_context(*args.tls) if args.tls else None
+        await server.start("127.0.0.1", args.port, ssl=ssl)
         print(f"control on {args.port}", flush=True)
         await server.wait_closed()
 
@@ -410,6 +414,7 @@ class Control:
     snapshot_path: Path
     tmp_path: Path
     proc: Proc | None = None
+    tls: tuple[Path, Path, Path] | None = None
 
     @property
     def address(self) -> str:
@@ -417,6 +422,8 @@ class Control:
 
     def start(self) -> None:
         argv = [sys.executable, __file__, "control", "--port", str(self.port)]
+        if self.tls:
+            argv += ["--tls", *map(str, self.tls)]
         self.proc = Proc(
             [*argv, "--snapshot", str(self.snapshot_path)], log_dir=self.tmp_path, name="control"
         )

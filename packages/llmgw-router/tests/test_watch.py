@@ -7,10 +7,17 @@ its own process) serves `EndpointService.Watch` from a snapshot file instead.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from llmgw_testkit import wait_for
 
 Router = Any
@@ -120,3 +127,78 @@ def test_last_snapshot_survives_the_control_plane(
         lambda: endpoint_ids(router) == {"e1-replica", "e2-replica"},
         what="snapshot from the restarted control plane",
     )
+
+
+def _issue_certs(directory: Path) -> dict[str, Path]:
+    """A CA, a control-plane certificate for 127.0.0.1 and a router client certificate."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+        (directory / f"{stem}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        (directory / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def builder(
+        subject: str, issuer: str, key: ec.EllipticCurvePrivateKey
+    ) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        builder("llmgw test CA", "llmgw test CA", ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    write("ca", ca_key, ca)
+    for stem, sans in (
+        ("control", [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        ("router", []),
+    ):
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = builder(stem, "llmgw test CA", key)
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        write(stem, key, b.sign(ca_key, hashes.SHA256()))
+    return {stem: directory / stem for stem in ("ca", "control", "router")}
+
+
+def test_watch_over_mutual_tls(
+    tmp_path: Path, spawn_router: Spawn, upstreams: list[Upstream], control: Control
+) -> None:
+    certs = _issue_certs(tmp_path)
+    control.stop()
+    control.tls = (
+        certs["control"].with_suffix(".crt"),
+        certs["control"].with_suffix(".key"),
+        certs["ca"].with_suffix(".crt"),
+    )
+    control.publish(3, upstreams[0])
+    control.start()
+    cfg = watch_config(control)
+    cfg["control"]["tls"] = {
+        "cert": str(certs["router"].with_suffix(".crt")),
+        "key": str(certs["router"].with_suffix(".key")),
+        "ca": str(certs["ca"].with_suffix(".crt")),
+    }
+    router = spawn_router(cfg)
+    assert endpoint_ids(router) == {"e1-replica"}
+    assert "plaintext" not in router.proc.output()
+    assert '"tls": true' in router.proc.output()
+    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+    assert r.headers["x-upstream-id"] == "e1"
