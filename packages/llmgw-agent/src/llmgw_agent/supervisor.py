@@ -502,6 +502,8 @@ class Supervisor:
             endpoint_url=engine.launch.endpoint_url if state == S.READY else "",
             time=_now(),
             pid=engine.pid,
+            port=engine.start.port,
+            gpu_indices=list(engine.start.gpu_indices),
         )
         if state in (S.FAILED, S.STOPPED):
             status.exit_code = engine.exit_code

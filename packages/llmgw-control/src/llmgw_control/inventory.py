@@ -177,6 +177,10 @@ class Inventory:
         report.replica_id = msg.replica_id or report.replica_id
         report.endpoint_url = msg.endpoint_url or report.endpoint_url
         report.pid = msg.pid or report.pid
+        # A report first made from a status (not from Register) learns here what the
+        # shard holds, so its port and GPUs stay taken even after its replica moves.
+        report.port = msg.port or report.port
+        report.gpu_indices = tuple(msg.gpu_indices) or report.gpu_indices
         report.reason = msg.reason
         report.exit_code = msg.exit_code
         report.signal = msg.signal

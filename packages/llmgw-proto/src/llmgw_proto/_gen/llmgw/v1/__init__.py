@@ -529,6 +529,14 @@ class ShardStatus(betterproto2.Message):
 
     pid: "int" = betterproto2.field(10, betterproto2.TYPE_INT64)
 
+    port: "int" = betterproto2.field(11, betterproto2.TYPE_UINT32)
+    """
+    What the shard holds on the node, so the control plane keeps them reserved for
+    as long as the engine runs, even once it no longer wants the shard.
+    """
+
+    gpu_indices: "list[int]" = betterproto2.field(12, betterproto2.TYPE_UINT32, repeated=True)
+
 
 default_message_pool.register_message("llmgw.v1", "ShardStatus", ShardStatus)
 
