@@ -416,7 +416,7 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         await asyncio.sleep(max(grace_end - time.monotonic(), 0.0))
         await wait_until(
             control,
-            lambda s: s["ticks"] >= summary["ticks"] + 3,
+            lambda s: s["reconciles"] >= summary["reconciles"] + 3,
             "three more passes",
             args.timeout,
         )

@@ -122,8 +122,8 @@ class Control:
 
     async def passes(self, count: int) -> None:
         """Wait for ``count`` more reconcile passes: time for control to act, if it would."""
-        start = (await self.status())["ticks"]
-        await self.until(lambda s: s["ticks"] >= start + count, f"{count} reconcile ticks")
+        start = (await self.status())["reconciles"]
+        await self.until(lambda s: s["reconciles"] >= start + count, f"{count} reconcile ticks")
 
 
 @pytest.fixture

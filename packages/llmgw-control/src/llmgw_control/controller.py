@@ -343,8 +343,10 @@ class Controller:
         ]
         return {
             "started": _iso(self.started),
-            "reconciles": self.state.passes,
-            "ticks": self.ticks,
+            # Every wake-up of the loop; a tick with no new input and no deadline due
+            # decides "nothing to do" without running the pass; full_passes are those run.
+            "reconciles": self.ticks,
+            "full_passes": self.state.passes,
             "publish_version": self.publisher.version,
             "nodes": nodes,
             "replicas": replicas,
@@ -366,8 +368,10 @@ class Controller:
             state = replica_state(r, self.inventory.nodes, now)
             replicas[state] = replicas.get(state, 0) + 1
         return {
-            "reconciles": self.state.passes,
-            "ticks": self.ticks,
+            # Every wake-up of the loop; a tick with no new input and no deadline due
+            # decides "nothing to do" without running the pass; full_passes are those run.
+            "reconciles": self.ticks,
+            "full_passes": self.state.passes,
             "publish_version": self.publisher.version,
             "streams": len(self.agents.sessions),
             "nodes": nodes,
