@@ -1,0 +1,90 @@
+"""The CLI's refusals and the admin HTTP responder, over a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+from llmgw_control.cli import main
+from llmgw_control.metrics import Metrics
+from llmgw_control.status import AdminServer
+from llmgw_testkit import free_port
+
+
+def test_serve_refuses_bad_config_with_file_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "control.yaml"
+    bad.write_text("models:\n  - name: m\n    profiles: {p: {engine: vllm, nodes: 0}}\n")
+    result = CliRunner().invoke(main, ["serve", "--config", str(bad)])
+    assert result.exit_code == 2
+    assert f"{bad}: $.models[0].profiles.p.nodes: Expected `int` >= 1" in result.output
+    assert "Traceback" not in result.output
+
+    bad.write_text("control: {lost_after: 1s, unreachable_after: 5s}\n")
+    result = CliRunner().invoke(main, ["serve", "--config", str(bad)])
+    assert result.exit_code == 2
+    assert "$.control.lost_after: lost_after (1s) must be longer" in result.output
+
+
+def test_serve_needs_certificates_unless_insecure(tmp_path: Path) -> None:
+    config = tmp_path / "control.yaml"
+    config.write_text("tls: {cert: control.crt}\n")
+    result = CliRunner().invoke(main, ["serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert (
+        f"{config}: $.tls: key, ca required unless tls.insecure is true or --insecure is given"
+        in result.output
+    )
+
+
+class Source:
+    def status(self) -> dict[str, Any]:
+        return {"nodes": [], "replicas": []}
+
+    def summary(self) -> dict[str, Any]:
+        return {"nodes": {"READY": 1}}
+
+    def explain(self, model: str) -> dict[str, Any] | None:
+        return {"model": model, "profiles": []} if model == "org/model" else None
+
+
+async def request(port: int, raw: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+async def test_admin_routes_over_a_socket() -> None:
+    metrics = Metrics()
+    metrics.heartbeats.inc(3)
+    admin = AdminServer(Source(), metrics.registry)
+    port = free_port()
+    await admin.start("127.0.0.1", port)
+    try:
+        ok = await request(port, b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert ok.endswith(b'{"nodes":[],"replicas":[]}')
+        assert b"Content-Type: application/json" in ok
+        explained = await request(port, b"GET /v1/explain/org%2Fmodel HTTP/1.1\r\n\r\n")
+        assert explained.endswith(b'{"model":"org/model","profiles":[]}')
+        missing = await request(port, b"GET /v1/explain/nope HTTP/1.1\r\n\r\n")
+        assert missing.startswith(b"HTTP/1.1 404 Not Found")
+        assert b"model 'nope' is not in the catalog" in missing
+        scraped = await request(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert b"llmgw_control_heartbeats_total 3.0" in scraped
+        posted = await request(port, b"POST /v1/status HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        assert posted.startswith(b"HTTP/1.1 405")
+        garbage = await request(port, b"HELLO\r\n\r\n")
+        assert garbage.startswith(b"HTTP/1.1 400")
+        head = await request(port, b"HEAD /healthz HTTP/1.1\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert head.endswith(b"\r\n\r\n")
+        assert (await request(port, b"GET /v1/summary HTTP/1.1\r\n\r\n")).endswith(
+            b'{"nodes":{"READY":1}}'
+        )
+    finally:
+        await admin.close()
