@@ -139,9 +139,10 @@ class RouterConfig(BaseConfig):
     # Seconds in-flight requests get to finish after SIGTERM.
     shutdown_grace: Duration = Duration(30.0)
     server: Server = "uvicorn"
-    # Upstream connection pool: per-endpoint keep-alive connections.
+    # Upstream keep-alive pool: idle connections kept per endpoint (0: no limit), and
+    # how long one may idle; under vLLM's own 5 s so the engine never closes one first.
     pool_per_endpoint: Annotated[int, msgspec.Meta(ge=0)] = 0
-    keepalive: Duration = Duration(60.0)
+    keepalive: Duration = Duration(4.0)
 
     def deadlines_for(self, model: str) -> Deadlines:
         override = self.models.get(model)

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from yarl import URL
-
 from llmgw_router.outlier import OutlierState
 
 __all__ = ["Endpoint", "EndpointSet", "EndpointSpec"]
@@ -44,14 +42,6 @@ class Endpoint:
     health_failures: int = 0
     health_successes: int = 0
     removed: bool = False
-    # Parsed request URLs by path: parsing one costs more than the rest of a lookup.
-    _targets: dict[str, URL] = field(default_factory=dict, repr=False)
-
-    def target(self, path: str) -> URL:
-        url = self._targets.get(path)
-        if url is None:
-            url = self._targets[path] = URL(self.spec.url + path)
-        return url
 
     @property
     def id(self) -> str:
@@ -128,7 +118,6 @@ class EndpointSet:
                 # Same engine, new attributes (weight, models): the same object, so the
                 # requests in flight on it still count against it.
                 prev.spec = spec
-                prev._targets = {}
                 kept.append(prev)
             else:
                 if prev is not None:

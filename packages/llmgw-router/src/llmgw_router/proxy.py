@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import aiohttp
 import msgspec
 import structlog
 
@@ -36,6 +35,7 @@ from llmgw_router.endpoints import Endpoint, EndpointSet
 from llmgw_router.errors import ApiError, error_body, sse_error_event
 from llmgw_router.metrics import Metrics
 from llmgw_router.outlier import OutlierPolicy, record_failure, record_success
+from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
 
 __all__ = ["ProxyApp", "RouterState"]
 
@@ -52,7 +52,7 @@ PROFILE_HEADER = b"x-llmgw-profile"
 _FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"x-request-id", b"traceparent"})
 # Response headers that describe the hop, not the body: the ASGI server writes its own.
 _HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "date", "server", "proxy-connection"}
+    {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"proxy-connection"}
 )
 _JSON = [(b"content-type", b"application/json")]
 
@@ -209,12 +209,12 @@ def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
 class ProxyApp:
     """ASGI app for the OpenAI routes."""
 
-    def __init__(self, state: RouterState, session: aiohttp.ClientSession | None = None) -> None:
+    def __init__(self, state: RouterState, pool: Pool | None = None) -> None:
         self.state = state
-        self.session = session
+        self.pool = pool
         self._keys = [k.encode() for k in state.config.api_keys]
         self._affinity_header = state.config.affinity.header.lower().encode()
-        self._timeouts: dict[str, tuple[Deadlines, aiohttp.ClientTimeout]] = {}
+        self._deadlines_by_model: dict[str, Deadlines] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -369,14 +369,12 @@ class ProxyApp:
                 return preferred
         return endpoints
 
-    def _deadlines(self, model: str) -> tuple[Deadlines, aiohttp.ClientTimeout]:
-        found = self._timeouts.get(model)
+    def _deadlines(self, model: str) -> Deadlines:
+        found = self._deadlines_by_model.get(model)
         if found is None:
-            deadlines = self.state.config.deadlines_for(model)
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=deadlines.connect)
-            found = (deadlines, timeout)
-            if len(self._timeouts) < 10000:
-                self._timeouts[model] = found
+            found = self.state.config.deadlines_for(model)
+            # Only models that have endpoints get here, so the cache stays small.
+            self._deadlines_by_model[model] = found
         return found
 
     def _unavailable(self, model: str, candidates: tuple[Endpoint, ...]) -> ApiError:
@@ -462,16 +460,13 @@ class ProxyApp:
     ) -> None:
         state = self.state
         metrics = state.metrics
-        deadlines, timeout = self._deadlines(model)
+        deadlines = self._deadlines(model)
         total_deadline = started + deadlines.total
-        headers = {
-            k.decode("latin-1"): v.decode("latin-1")
-            for k, v in scope["headers"]
-            if k in _FORWARD_REQUEST
-        }
+        headers = [(k, v) for k, v in scope["headers"] if k in _FORWARD_REQUEST]
         state.budget.on_request(started)
         path: str = scope["path"]
         tried: list[Endpoint] = []
+        refused: set[str] = set()
         last_failure: _UpstreamFailure | None = None
         retries = 0
         now = started
@@ -480,15 +475,16 @@ class ProxyApp:
             if tried:
                 # A retry: from the current set (a snapshot may have come), in the same
                 # profiles as the first choice when any is left there; an endpoint not
-                # tried yet first, else any but the one that just failed.
+                # tried yet first.
                 current = state.endpoints.for_model(model) or ()
                 profiles = {ep.spec.profile for ep in candidates}
                 pool = [ep for ep in current if ep.spec.profile in profiles] or list(current)
                 tried_ids = {t.id for t in tried}
                 ep = state.balancer.pick([e for e in pool if e.id not in tried_ids], usable, key)
                 if ep is None:
-                    last_id = tried[-1].id
-                    ep = state.balancer.pick([e for e in pool if e.id != last_id], usable, key)
+                    # All tried: again any but the last, and none that refused a connection.
+                    skip = {tried[-1].id, *refused}
+                    ep = state.balancer.pick([e for e in pool if e.id not in skip], usable, key)
             else:
                 ep = state.balancer.pick(candidates, usable, key)
             if ep is None:
@@ -506,13 +502,14 @@ class ProxyApp:
                     headers,
                     model,
                     deadlines,
-                    timeout,
                     started,
                     total_deadline,
                 )
                 return
             except _UpstreamFailure as failure:
                 last_failure = failure
+                if failure.reason == "connect":
+                    refused.add(ep.id)
                 state.record_failure(ep, failure.reason)
                 log.info(
                     "upstream attempt failed",
@@ -565,27 +562,26 @@ class ProxyApp:
         ep: Endpoint,
         path: str,
         body: bytes,
-        headers: dict[str, str],
+        headers: list[tuple[bytes, bytes]],
         model: str,
         deadlines: Deadlines,
-        timeout: aiohttp.ClientTimeout,
         started: float,
         total_deadline: float,
     ) -> None:
         state = self.state
-        session = self.session
-        assert session is not None
+        pool = self.pool
+        assert pool is not None
         loop = asyncio.get_running_loop()
         ep.outstanding += 1
-        response: aiohttp.ClientResponse | None = None
+        response: Response | None = None
         clean = False
         try:
             now = loop.time()
             first_deadline = now + min(deadlines.first_byte, total_deadline - time.monotonic())
             try:
                 async with asyncio.timeout_at(first_deadline):
-                    response = await session.post(
-                        ep.target(path), data=body, headers=headers, timeout=timeout
+                    response = await pool.post(
+                        ep.url, path, body, headers, connect_timeout=deadlines.connect
                     )
                     status = response.status
                     if status >= 500 or status == 429:
@@ -595,20 +591,16 @@ class ProxyApp:
                             f"{ep.id} answered {status}",
                             (status, self._response_headers(response), payload),
                         )
-                    first = await response.content.readany()
-            except TimeoutError as err:
-                if isinstance(err, aiohttp.ServerTimeoutError):
-                    raise _UpstreamFailure("connect", f"{ep.id}: connect timed out") from None
+                    first = await response.read_chunk()
+            except TimeoutError:
                 raise _UpstreamFailure(
                     "timeout_first_byte",
                     f"{ep.id}: no response within {deadlines.first_byte:g}s",
                 ) from None
-            except aiohttp.ClientConnectorError as err:
-                raise _UpstreamFailure(
-                    "connect", f"{ep.id}: cannot connect: {err.os_error or err}"
-                ) from None
-            except aiohttp.ClientError as err:
-                raise _UpstreamFailure("reset", f"{ep.id}: {type(err).__name__}: {err}") from None
+            except ConnectError as err:
+                raise _UpstreamFailure("connect", f"{ep.id}: {err}") from None
+            except UpstreamError as err:
+                raise _UpstreamFailure("reset", f"{ep.id}: {err}") from None
             if status < 500:
                 state.record_success(ep)
             clean = await self._relay(
@@ -625,18 +617,14 @@ class ProxyApp:
                     response.close()
 
     @staticmethod
-    def _response_headers(response: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-        return [
-            (k.lower(), v)
-            for k, v in response.raw_headers
-            if k.lower().decode("latin-1") not in _HOP_BY_HOP
-        ]
+    def _response_headers(response: Response) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
 
     async def _relay(
         self,
         send: Send,
         ep: Endpoint,
-        response: aiohttp.ClientResponse,
+        response: Response,
         first: bytes,
         model: str,
         deadlines: Deadlines,
@@ -647,8 +635,8 @@ class ProxyApp:
         metrics = self.state.metrics
         loop = asyncio.get_running_loop()
         status = response.status
-        content_type = response.headers.get("content-type", "")
-        streamed = content_type.startswith("text/event-stream")
+        content_type = next((v for k, v in response.headers if k == b"content-type"), b"")
+        streamed = content_type.startswith(b"text/event-stream")
         ttft = time.monotonic() - started
         metrics.child(metrics.ttft, model).observe(ttft)
         await send(
@@ -658,14 +646,13 @@ class ProxyApp:
                 "headers": self._response_headers(response),
             }
         )
-        content = response.content
         # What usage is read from: the whole (small) JSON body, or a stream's last chunks.
         previous = b""
         last = first
         collected = bytearray(first) if not streamed else None
         clean = ended = False
         failure = ""
-        if first and content.at_eof():
+        if first and response.at_eof:
             # All of it came in one read (small JSON answers, fast short streams): one write.
             clean = ended = True
             await send({"type": "http.response.body", "body": first})
@@ -679,7 +666,7 @@ class ProxyApp:
                     idle = deadlines.idle
                     while True:
                         deadline.reschedule(min(last_at + idle, total_at))
-                        chunk = await content.readany()
+                        chunk = await response.read_chunk()
                         if not chunk:
                             clean = True
                             break
@@ -698,8 +685,8 @@ class ProxyApp:
                     else f"request exceeded its total deadline of {deadlines.total:g}s"
                 )
                 self.state.record_failure(ep, "timeout_idle")
-            except aiohttp.ClientError as err:
-                failure = f"{ep.id} broke off the response: {type(err).__name__}"
+            except UpstreamError as err:
+                failure = f"{ep.id} broke off the response: {err}"
                 self.state.record_failure(ep, "reset")
         else:
             clean = True

@@ -25,6 +25,7 @@ from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
 from llmgw_router.proxy import ProxyApp, RouterState
+from llmgw_router.upstream import Pool
 
 __all__ = ["run", "serve"]
 
@@ -71,20 +72,16 @@ async def serve(
     state = RouterState(
         config, EndpointSet((Endpoint(spec=s) for s in static), source="static"), metrics
     )
-    connector = aiohttp.TCPConnector(
-        limit=0,
-        limit_per_host=config.pool_per_endpoint,
-        keepalive_timeout=config.keepalive,
-        ttl_dns_cache=300,
-    )
-    # Bodies pass through byte for byte: no decompression, no cookie handling.
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     session = aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent",),
     )
-    proxy = ProxyApp(state, session)
+    # The request path has its own lean client (see upstream.py); health checks use aiohttp.
+    pool = Pool(per_endpoint=config.pool_per_endpoint, keepalive=config.keepalive)
+    proxy = ProxyApp(state, pool)
     background: list[asyncio.Task[None]] = []
     if config.health_checks.enabled:
         background.append(asyncio.create_task(HealthChecker(state, session).run()))
@@ -163,6 +160,7 @@ async def serve(
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
     await session.close()
+    pool.close()
     failed = [
         t for t in (proxy_task, admin_task) if t.done() and not t.cancelled() and t.exception()
     ]
