@@ -278,7 +278,7 @@ class SimAgent:
 
 # --- measurements ---------------------------------------------------------------------
 
-_BUCKET = re.compile(r'^llmgw_control_heartbeat_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
+_BUCKET = re.compile(r'^llmgw_control_(\w+)_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 _COUNT = re.compile(r"^llmgw_control_heartbeats_total (\S+)$", re.M)
 _RECONCILE = re.compile(r"^llmgw_control_reconcile_seconds_(sum|count) (\S+)$", re.M)
 
@@ -303,8 +303,8 @@ class LoopLag:
         return statistics.quantiles(self.samples, n=100)[98] if len(self.samples) > 100 else 0.0
 
 
-def histogram(text: str) -> list[tuple[float, float]]:
-    return [(float(le), float(n)) for le, n in _BUCKET.findall(text)]
+def histogram(text: str, name: str = "heartbeat_lag") -> list[tuple[float, float]]:
+    return [(float(le), float(n)) for metric, le, n in _BUCKET.findall(text) if metric == name]
 
 
 def quantile(
@@ -396,6 +396,10 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         results["heartbeat lag p50 (ms)"] = quantile(histogram(before), histogram(after), 0.5) * 1e3
         results["heartbeat lag p99 (ms)"] = (
             quantile(histogram(before), histogram(after), 0.99) * 1e3
+        )
+        loop_before, loop_after = histogram(before, "loop_lag"), histogram(after, "loop_lag")
+        results["control's own event-loop lag p99 (ms)"] = (
+            quantile(loop_before, loop_after, 0.99) * 1e3
         )
 
         # 2. Restart: every shard must be adopted, none touched.

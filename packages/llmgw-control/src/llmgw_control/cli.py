@@ -29,7 +29,7 @@ from llmgw_control.config import (
     split_hostport,
     tls_problem,
 )
-from llmgw_control.controller import Controller, keep_heap
+from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
 from llmgw_control.status import AdminServer
 
 log = structlog.get_logger("llmgw_control")
@@ -98,7 +98,10 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(controller, config_path))
     reconciler = asyncio.create_task(controller.run())
-    heap = asyncio.create_task(keep_heap())
+    housekeeping = [
+        asyncio.create_task(keep_heap()),
+        asyncio.create_task(watch_loop_lag(controller.metrics)),
+    ]
     log.info(
         "llmgw-control serving",
         listen=config.listen,
@@ -109,7 +112,8 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     await stop.wait()
     log.info("llmgw-control stopping; engines keep running")
     reconciler.cancel()
-    heap.cancel()
+    for task in housekeeping:
+        task.cancel()
     server.close()
     await admin.close()
     with contextlib.suppress(TimeoutError):

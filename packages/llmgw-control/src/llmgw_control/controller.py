@@ -38,7 +38,7 @@ from llmgw_control.reconciler import (
     unsend,
 )
 
-__all__ = ["Controller", "keep_heap", "settings_of"]
+__all__ = ["Controller", "keep_heap", "settings_of", "watch_loop_lag"]
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,15 @@ async def keep_heap(freeze_every: float = 5.0, sweep_every: float = 3600.0) -> N
             gc.collect()
         # O(1): moves every tracked object to the permanent generation.
         gc.freeze()
+
+
+async def watch_loop_lag(metrics: Metrics, every: float = 0.05) -> None:
+    """Sample event-loop lag: the part of any latency that is the control plane's own."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(every)
+        metrics.loop_lag.observe(max(loop.time() - asked - every, 0.0))
 
 
 def _iso(value: dt.datetime | None) -> str | None:

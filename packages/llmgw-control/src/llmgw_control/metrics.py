@@ -62,6 +62,12 @@ class Metrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "llmgw_control_loop_lag_seconds",
+            "How late the event loop ran a timer: every message waits at least this long.",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         self.registrations = Counter(
             "llmgw_control_registrations", "Register messages accepted.", registry=r
         )
