@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from llmgw_testkit import wait_for
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -156,3 +157,19 @@ def test_hypercorn_server_streams(spawn_engines: Spawn, spawn_router: Spawn) -> 
         "server=hypercorn" in router.proc.output()
         or '"server": "hypercorn"' in router.proc.output()
     )
+
+
+def test_client_gone_before_the_first_token_ends_the_engine_request(
+    spawn_engines: Spawn, spawn_router: Spawn
+) -> None:
+    """A client that leaves during a long prefill cancels the engine's request too."""
+    (engine,) = spawn_engines(1, "--sim-ttft", "60")
+    router = static_router(spawn_router, [engine])
+    body = {"model": "m1", "stream": True, "max_tokens": 5, "messages": MESSAGES}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            router.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=2)
+        )
+    wait_for(lambda: engine.running() == 0, timeout=15, what="engine request ended")
+    series = 'llmgw_router_client_disconnects_total{model="m1"} 1.0'
+    wait_for(lambda: series in router.metrics(), what="disconnect counted")

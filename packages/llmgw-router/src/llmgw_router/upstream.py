@@ -306,9 +306,15 @@ class Pool:
             try:
                 await response.wait_head()
             except ResetError:
+                response.close()
                 if response.status or response._chunks:
                     raise
                 continue
+            except BaseException:
+                # Cancelled or timed out while the engine works on it: closing the
+                # connection is what stops the engine.
+                response.close()
+                raise
             return response
         try:
             async with asyncio.timeout(connect_timeout):
@@ -316,7 +322,11 @@ class Pool:
         except TimeoutError:
             raise ConnectError(f"connect to {host.host}:{host.port} timed out") from None
         response = self._send(conn, head, body)
-        await response.wait_head()
+        try:
+            await response.wait_head()
+        except BaseException:
+            response.close()
+            raise
         return response
 
     @staticmethod
