@@ -121,7 +121,7 @@ def test_stalled_stream_ends_with_an_error_event(spawn_engines: Spawn, spawn_rou
     (engine,) = spawn_engines(1, "--sim-stall-after-tokens", "3")
     # The model's own deadline overrides the global one.
     router = static_router(
-        spawn_router, [engine], deadlines={"idle": "60s"}, models={"m1": {"idle": "1s"}}
+        spawn_router, [engine], deadlines={"idle": "60s"}, model_deadlines={"m1": {"idle": "1s"}}
     )
     body = {"model": "m1", "stream": True, "max_tokens": 20, "messages": MESSAGES}
     r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30)

@@ -27,8 +27,6 @@ __all__ = [
     "validate",
 ]
 
-Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-Positive = Annotated[float, msgspec.Meta(gt=0)]
 Balancer = Literal["least_outstanding", "round_robin", "session_affinity"]
 Server = Literal["uvicorn", "hypercorn"]
 
@@ -130,7 +128,8 @@ class RouterConfig(BaseConfig):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024
     api_keys: list[str] = msgspec.field(default_factory=list)
     deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
-    models: dict[str, DeadlinesOverride] = msgspec.field(default_factory=dict)
+    # Per served model name: deadlines that differ from the global ones.
+    model_deadlines: dict[str, DeadlinesOverride] = msgspec.field(default_factory=dict)
     retries: RetryConfig = msgspec.field(default_factory=RetryConfig)
     ejection: EjectionConfig = msgspec.field(default_factory=EjectionConfig)
     health_checks: HealthCheckConfig = msgspec.field(default_factory=HealthCheckConfig)
@@ -145,7 +144,7 @@ class RouterConfig(BaseConfig):
     keepalive: Duration = Duration(4.0)
 
     def deadlines_for(self, model: str) -> Deadlines:
-        override = self.models.get(model)
+        override = self.model_deadlines.get(model)
         return self.deadlines if override is None else override.over(self.deadlines)
 
 

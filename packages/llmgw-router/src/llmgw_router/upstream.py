@@ -34,6 +34,7 @@ class ResetError(UpstreamError):
     pass
 
 
+_FRAMED = frozenset({b"content-length", b"transfer-encoding"})
 # A response body buffered past this pauses reading from the engine.
 _PAUSE_AT = 1 << 20
 
@@ -53,8 +54,14 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
-        if self.response is not None:
-            self.response._lost(exc)
+        response = self.response
+        if response is not None:
+            names = {name for name, _ in response.headers}
+            if response.status and exc is None and not names & _FRAMED:
+                # A body without length or chunking ends when the connection does.
+                response._complete(False)
+            else:
+                response._lost(exc)
 
     def data_received(self, data: bytes) -> None:
         try:
