@@ -141,6 +141,12 @@ class ControlProcess:
                 self.proc.wait(5)
         self.proc = None
 
+    def cpu_seconds(self) -> float:
+        """User+system CPU time the control plane has used so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.admin_port}{path}"
 
@@ -377,6 +383,7 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         # 1. Heartbeats over a window, after things settled.
         await asyncio.sleep(args.heartbeat * 2)
         before = await control.metrics()
+        cpu0 = control.cpu_seconds()
         t1 = time.monotonic()
         lag = LoopLag()
         lag_task = asyncio.create_task(lag.run())
@@ -384,6 +391,9 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         lag_task.cancel()
         after = await control.metrics()
         elapsed = time.monotonic() - t1
+        results["control CPU during the window (% of its core)"] = (
+            (control.cpu_seconds() - cpu0) / elapsed * 100
+        )
         r0, r1 = reconcile_totals(before), reconcile_totals(after)
         if r1.get("count", 0) > r0.get("count", 0):
             results["reconcile pass, mean during the window (ms)"] = (

@@ -175,8 +175,9 @@ class Controller:
         self._wake.set()
 
     async def run(self) -> None:
-        interval = self.settings_interval
         while True:
+            # Read each time: a reload (SIGHUP) may change it.
+            interval = self.settings_interval
             try:
                 await asyncio.wait_for(self._wake.wait(), interval)
             except TimeoutError:
