@@ -147,7 +147,7 @@ async def test_adoption_sends_nothing_to_adopted_shards_and_stops_unwanted(
 async def test_unreachable_then_lost_then_replaced_and_old_shard_stopped(
     control_factory: Factory, agent_factory: Factory, watcher_factory: Factory
 ) -> None:
-    control = control_factory([model()])
+    control = control_factory([model()], unreachable_after="1s", lost_after="2.5s")
     a = agent_factory(control.grpc_port, "gpu-a")
     b = agent_factory(control.grpc_port, "gpu-b", gpus=2)
     a.start()
