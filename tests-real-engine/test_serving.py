@@ -1,0 +1,113 @@
+"""A CPU-only profile placed, launched through the llama.cpp adapter, served by the router.
+
+The model is a base model without a chat template: the tests check shapes, usage and
+token counts, never the text.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import openai
+from llmgw_testkit.cluster import Cluster
+
+SERVED_NAME = "gemma3"
+
+
+def _client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def test_placed_on_the_cpu_node_without_gpus(serving: Cluster, gguf: Path) -> None:
+    node = serving.wait_node_state("cpu-a", "READY")
+    assert node["gpus"] == []
+    assert node["simulated"] is False
+    (replica,) = serving.replicas(SERVED_NAME)
+    (shard,) = replica["shards"]
+    assert shard["node_id"] == "cpu-a"
+    assert shard["gpu_indices"] == []
+    cmdline = Path(f"/proc/{shard['pid']}/cmdline").read_bytes().decode().split("\0")
+    assert Path(cmdline[0]).name == "llama-server"
+    # The adapter built the command line from the profile.
+    assert cmdline[cmdline.index("-m") + 1] == str(gguf)
+    assert cmdline[cmdline.index("--port") + 1] == str(shard["port"])
+    assert cmdline[cmdline.index("--alias") + 1] == SERVED_NAME
+    assert cmdline[cmdline.index("--threads") + 1] == "2"
+    assert cmdline[cmdline.index("-c") + 1] == "2048"
+    assert "--n-gpu-layers" not in cmdline
+    environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
+    assert b"CUDA_VISIBLE_DEVICES=" in environ
+
+
+def test_chat_completion_through_the_router(serving: Cluster) -> None:
+    reply = _client(serving).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "The capital of France is"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert reply.object == "chat.completion"
+    assert reply.model  # llama.cpp names the model it loaded
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    usage = reply.usage
+    assert usage is not None
+    assert usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= 8
+    if choice.finish_reason == "length":
+        assert usage.completion_tokens == 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_streaming_chat_completion_through_the_router(serving: Cluster) -> None:
+    stream = _client(serving).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Once upon a time"}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices]
+    pieces = [d for d in deltas if d]
+    # Tokens arrive one chunk at a time, not as one block at the end.
+    assert len(pieces) >= 2
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("length", "stop")
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= 16
+    assert len(pieces) <= usage.completion_tokens
+
+
+def test_every_flag_the_adapter_emitted_is_in_the_real_help(
+    serving: Cluster, llama_help: str
+) -> None:
+    (replica,) = serving.replicas(SERVED_NAME)
+    (shard,) = replica["shards"]
+    cmdline = Path(f"/proc/{shard['pid']}/cmdline").read_bytes().decode().split("\0")
+    flags = [arg for arg in cmdline[1:] if arg.startswith("-")]
+    assert {"-m", "--host", "--port", "--alias", "--threads", "--metrics", "-c"} <= set(flags)
+    known = help_flags(llama_help)
+    assert len(known) > 100  # the parse found the options table
+    assert set(flags) <= known, sorted(set(flags) - known)
+
+
+def help_flags(text: str) -> set[str]:
+    """Flags in llama.cpp's --help: the left column, "-c,    --ctx-size N   size of ..."."""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if not line.startswith("-"):
+            continue
+        # The description starts at column 40; a longer spec has it on the next line.
+        spec = line[:40] if len(line) > 40 and line[39] == " " else line
+        flags.update(re.findall(r"(?:^|[\s,])(--?[A-Za-z][\w.-]*)", spec))
+    return flags
