@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import ssl as ssl_module
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -45,14 +46,19 @@ FAST = {
 
 
 def control_config(
-    path: Path, grpc_port: int, admin_port: int, models: list[dict[str, Any]], **control: Any
+    path: Path,
+    grpc_port: int,
+    admin_port: int,
+    models: list[dict[str, Any]],
+    tls: dict[str, Any] | None = None,
+    **control: Any,
 ) -> Path:
     path.write_text(
         yaml.safe_dump(
             {
                 "listen": f"127.0.0.1:{grpc_port}",
                 "admin_listen": f"127.0.0.1:{admin_port}",
-                "tls": {"insecure": True},
+                "tls": tls or {"insecure": True},
                 "control": {**FAST, "port_range": [21000, 21099], **control},
                 "models": models,
             }
@@ -71,12 +77,19 @@ def model(name: str = "m", replicas: int = 1, **profile: Any) -> dict[str, Any]:
 class Control:
     """A `llmgw-control serve` subprocess and the ways a test talks to it."""
 
-    def __init__(self, tmp_path: Path, models: list[dict[str, Any]], **control: Any) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        models: list[dict[str, Any]],
+        tls: dict[str, Any] | None = None,
+        **control: Any,
+    ) -> None:
         self.tmp_path = tmp_path
         self.grpc_port = free_port()
         self.admin_port = free_port()
+        self.tls = tls
         self.config = control_config(
-            tmp_path / "control.yaml", self.grpc_port, self.admin_port, models, **control
+            tmp_path / "control.yaml", self.grpc_port, self.admin_port, models, tls, **control
         )
         self.proc: Proc | None = None
 
@@ -97,7 +110,7 @@ class Control:
             self.proc = None
 
     def rewrite(self, models: list[dict[str, Any]], **control: Any) -> None:
-        control_config(self.config, self.grpc_port, self.admin_port, models, **control)
+        control_config(self.config, self.grpc_port, self.admin_port, models, self.tls, **control)
 
     @property
     def admin(self) -> str:
@@ -132,8 +145,10 @@ class Control:
 def control_factory(tmp_path: Path) -> Iterator[Callable[..., Control]]:
     made: list[Control] = []
 
-    def make(models: list[dict[str, Any]], **control: Any) -> Control:
-        c = Control(tmp_path, models, **control)
+    def make(
+        models: list[dict[str, Any]], tls: dict[str, Any] | None = None, **control: Any
+    ) -> Control:
+        c = Control(tmp_path, models, tls, **control)
         made.append(c)
         return c.start()
 
@@ -147,7 +162,7 @@ class FakeAgent:
 
     ``mode`` says what happens to a StartShard: "ready" (STARTING then READY),
     "starting" (stays STARTING), "fail" (CommandResult ok, then FAILED with an
-    output tail, as an engine that crashed while loading).
+    output tail, as an engine that crashed while loading), "silent" (no answer).
     """
 
     def __init__(
@@ -159,7 +174,12 @@ class FakeAgent:
         labels: dict[str, str] | None = None,
         mode: str = "ready",
         heartbeat: float = 0.3,
+        ssl: ssl_module.SSLContext | None = None,
+        register_as: str | None = None,
     ) -> None:
+        self.ssl = ssl
+        # The node id sent in Register, when a test wants it to differ from node_id.
+        self.register_as = register_as
         self.port = port
         self.node_id = node_id
         self.gpus = gpus
@@ -202,11 +222,11 @@ class FakeAgent:
 
     async def _run(self, reconnect: bool) -> None:
         while True:
-            channel = grpclib.client.Channel("127.0.0.1", self.port)
+            channel = grpclib.client.Channel("127.0.0.1", self.port, ssl=self.ssl)
             try:
                 await self._session(channel)
             except (GRPCError, StreamTerminatedError, ConnectionError, OSError) as err:
-                self.closed_by_server.append(repr(err))
+                self.closed_by_server.append(f"{type(err).__name__}: {err}")
             finally:
                 self.connected.clear()
                 channel.close()
@@ -217,7 +237,7 @@ class FakeAgent:
     def _register(self) -> v1.AgentMessage:
         return v1.AgentMessage(
             register=v1.Register(
-                node_id=self.node_id,
+                node_id=self.node_id if self.register_as is None else self.register_as,
                 agent_version="fake-0",
                 labels=dict(self.labels),
                 inventory=v1.Inventory(
@@ -284,6 +304,8 @@ class FakeAgent:
         )  # fmt: skip
 
     async def _obey(self, stream: Any, msg: v1.ControlMessage) -> None:
+        if msg.start_shard is not None and self.mode == "silent":
+            return  # an agent that never answers: control must send it again
         if msg.start_shard is not None:
             s = msg.start_shard
             await self._send(
