@@ -249,6 +249,9 @@ async def test_control_plane_restart_adopts_everything_and_touches_no_engine(
     await control.until(lambda s: len(replicas_in(s, "ready")) == 3, "three ready replicas")
     before = {a.node_id: [s.shard_id for s in a.starts()] for a in agents}
     assert all(len(v) == 1 for v in before.values())
+    old_snapshot = await watcher_factory(control.grpc_port).until(
+        lambda s: len(s.endpoints) == 3, "three endpoints before restart"
+    )
 
     control.stop()
     await until(lambda: not any(a.connected.is_set() for a in agents), "streams dropped")
@@ -259,7 +262,10 @@ async def test_control_plane_restart_adopts_everything_and_touches_no_engine(
     assert all(r["adopted"] for r in status["replicas"])
     assert {n["state"] for n in status["nodes"]} == {"READY"}
     watcher = watcher_factory(control.grpc_port)
-    await watcher.until(lambda s: len(s.endpoints) == 3, "three endpoints after restart")
+    snap = await watcher.until(lambda s: len(s.endpoints) == 3, "three endpoints after restart")
+    # A router keeps only newer snapshots: versions must not restart from zero.
+    assert snap.version > old_snapshot.version
+    assert [e.url for e in snap.endpoints] == [e.url for e in old_snapshot.endpoints]
     await control.passes(8)
     assert {a.node_id: [s.shard_id for s in a.starts()] for a in agents} == before
     assert [a.stops() for a in agents] == [[], [], []]
