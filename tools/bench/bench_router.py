@@ -12,7 +12,8 @@ in alternation, and keeps each target's best round: the machine is shared, and
 the best round is the least disturbed one.
 
 Cases: non-streaming chat completions (16 tokens), and 100-token streams read to
-`[DONE]`. Latency is per request, first byte sent to last byte read; "added" is a
+`[DONE]`, which the simulator writes token by token (`--stream-itl`, 0.1 ms), so
+each stream is 100 chunks for the proxy to relay. Latency is per request, first byte sent to last byte read; "added" is a
 target's latency minus direct's at the same percentile.
 
 The peer, `vllm-router`, is looked for at --vllm-router (default
@@ -120,11 +121,11 @@ def process(argv: list[str], health: str, what: str, log: Path) -> Iterator[int]
                 proc.wait()
 
 
-def simulator(port: int, logs: Path) -> contextlib.AbstractContextManager[int]:
+def simulator(port: int, logs: Path, itl: float) -> contextlib.AbstractContextManager[int]:
     argv = [
         *_pin("0"), str(BIN / "llmgw-sim"), "vllm", "serve", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024",
-        "--sim-load-time", "0",
+        "--sim-load-time", "0", "--sim-itl", str(itl),
     ]  # fmt: skip
     return process(argv, f"http://127.0.0.1:{port}/health", "llmgw-sim", logs / "sim.log")
 
@@ -273,6 +274,12 @@ def main() -> int:
         ],
     )
     parser.add_argument("--vllm-router", default="/tmp/vr-venv/bin/vllm-router")
+    parser.add_argument(
+        "--stream-itl",
+        type=float,
+        default=0.0001,
+        help="simulator inter-token latency for the stream case (0: one write per stream)",
+    )
     args = parser.parse_args()
     if args.seconds <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
         parser.error("--seconds > 0, --rounds >= 1 and --concurrency >= 1")
@@ -291,32 +298,37 @@ def main() -> int:
     cases = [("full", False), ("stream-100", True)]
     if args.case != "all":
         cases = [c for c in cases if (c[1] if args.case == "stream" else not c[1])]
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-router-") as tmp,
-        contextlib.ExitStack() as stack,
-    ):
-        logs = Path(tmp)
-        sim_port = _free_port()
-        stack.enter_context(simulator(sim_port, logs))
-        sim = f"http://127.0.0.1:{sim_port}"
-        bases = {"direct": sim}
-        pids = {"direct": 0}
-        for target in targets:
-            port = _free_port()
-            if target.startswith("llmgw"):
-                # `llmgw` is the default server; the others name theirs.
-                server = target.partition("-")[2] or "default"
-                pids[target] = stack.enter_context(llmgw_router(port, sim, server, logs))
-            elif target == "vllm-router":
-                pids[target] = stack.enter_context(vllm_router(args.vllm_router, port, sim, logs))
-            if target != "direct":
-                bases[target] = f"http://127.0.0.1:{port}"
-        print(
-            f"{os.cpu_count()} CPUs; routers pinned to core 1, simulator and load on core 0;"
-            f" {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
-        )
-        rows: list[tuple[str, int, dict[str, Result]]] = []
-        for case, stream in cases:
+    print(
+        f"{os.cpu_count()} CPUs; routers pinned to core 1, simulator and load on core 0;"
+        f" {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
+    )
+    rows: list[tuple[str, int, dict[str, Result]]] = []
+    for case, stream in cases:
+        # Streams: a tiny inter-token latency makes the simulator write every token on
+        # its own, so a 100-token stream is 100 chunks for the proxy to pass on.
+        itl = args.stream_itl if stream else 0.0
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-router-") as tmp,
+            contextlib.ExitStack() as stack,
+        ):
+            logs = Path(tmp)
+            sim_port = _free_port()
+            stack.enter_context(simulator(sim_port, logs, itl))
+            sim = f"http://127.0.0.1:{sim_port}"
+            bases = {"direct": sim}
+            pids = {"direct": 0}
+            for target in targets:
+                port = _free_port()
+                if target.startswith("llmgw"):
+                    # `llmgw` is the default server; the others name theirs.
+                    server = target.partition("-")[2] or "default"
+                    pids[target] = stack.enter_context(llmgw_router(port, sim, server, logs))
+                elif target == "vllm-router":
+                    pids[target] = stack.enter_context(
+                        vllm_router(args.vllm_router, port, sim, logs)
+                    )
+                if target != "direct":
+                    bases[target] = f"http://127.0.0.1:{port}"
             for conc in args.concurrency:
                 best: dict[str, Result] = {}
                 for _ in range(args.rounds):
