@@ -100,8 +100,8 @@ class Publisher:
     async def watch(
         self, stream: grpclib.server.Stream[v1.WatchRequest, v1.EndpointSnapshot]
     ) -> None:
-        request = await stream.recv_message()
-        router_id = request.router_id if request is not None else ""
+        request = await stream.recv_message() or v1.WatchRequest()
+        router_id = request.router_id
         changed = asyncio.Event()
         self._subscribers.add(changed)
         if self._metrics is not None:
@@ -109,7 +109,7 @@ class Publisher:
         log.info(
             "router subscribed",
             router_id=router_id,
-            known_version=request and request.known_version,
+            known_version=request.known_version,
         )
         try:
             sent = -1
