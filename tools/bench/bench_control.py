@@ -333,6 +333,31 @@ def quantile(
     return prev_le
 
 
+# An idle asyncio process pinned beside the control plane: the machine's own noise
+# floor for loop lag on that core, measured over the same window.
+_BASELINE = """
+import asyncio, statistics, sys, time
+async def main(seconds):
+    loop = asyncio.get_running_loop()
+    lags, end = [], loop.time() + seconds
+    while loop.time() < end:
+        asked = loop.time()
+        await asyncio.sleep(0.05)
+        lags.append(max(loop.time() - asked - 0.05, 0.0))
+    print(statistics.quantiles(lags, n=100)[98])
+asyncio.run(main(float(sys.argv[1])))
+"""
+
+
+def start_baseline(core: int, seconds: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _BASELINE, str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )
+
+
 def heartbeat_count(text: str) -> float:
     match = _COUNT.search(text)
     return float(match.group(1)) if match else 0.0
@@ -384,6 +409,7 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         await asyncio.sleep(args.heartbeat * 2)
         before = await control.metrics()
         cpu0 = control.cpu_seconds()
+        baseline = start_baseline(args.control_core, args.window)
         t1 = time.monotonic()
         lag = LoopLag()
         lag_task = asyncio.create_task(lag.run())
@@ -410,6 +436,10 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         loop_before, loop_after = histogram(before, "loop_lag"), histogram(after, "loop_lag")
         results["control's own event-loop lag p99 (ms)"] = (
             quantile(loop_before, loop_after, 0.99) * 1e3
+        )
+        out, _ = baseline.communicate(timeout=args.window + 30)
+        results["baseline: idle asyncio process on that core, loop lag p99 (ms)"] = (
+            float(out.strip()) * 1e3
         )
 
         # 2. Restart: every shard must be adopted, none touched.
