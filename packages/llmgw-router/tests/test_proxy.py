@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from llmgw_testkit import free_port, wait_for
+from llmgw_testkit import free_port, port_open, wait_for
 
 # Fixtures from conftest.py; their classes cannot be imported under --import-mode=importlib.
 Router = Any
@@ -329,8 +329,9 @@ def test_sigterm_lets_streams_finish(spawn_router: Spawn, upstreams: list[Upstre
             next(lines)
             router.proc.signal(signal.SIGTERM)
             wait_for(lambda: "shutting down" in router.proc.output(), what="shutdown logged")
-            with pytest.raises(httpx.ConnectError):
-                httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+            # New connections are refused while the stream in flight goes on.
+            wait_for(lambda: not port_open(router.port), what="listener closed")
+            assert router.proc.alive()
             events = sse_events("\n".join(lines))
         assert events[-1] == "[DONE]"
         assert not any("upstream_error" in e for e in events)
