@@ -141,6 +141,10 @@ def test_errors_are_openai_shaped(router: Router) -> None:
     error(r)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client(router).chat.completions.create(model="nope", messages=[])
+    assert (
+        metric(router.metrics(), 'llmgw_router_requests_total{endpoint="",model="",status="404"}')
+        >= 3
+    )
 
 
 def test_profile_pinning_and_unknown_profile(router: Router) -> None:
@@ -291,6 +295,12 @@ def test_5xx_passed_on_when_no_retry_is_left(
         r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
         assert r.status_code == 503
         assert r.json()["error"]["message"] == "scripted failure"
+        # 429s are passed on too, but a busy endpoint is never ejected for them.
+        e1.script(status=429, count=100)
+        for _ in range(5):
+            r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+            assert r.status_code == 429
+        assert router.endpoints()["endpoints"][0]["state"] == "ready"
 
 
 def test_client_disconnect_cancels_the_upstream_request(

@@ -140,6 +140,10 @@ class RouterState:
         self.metrics.snapshot_version.set(endpoints.version)
 
     def record_failure(self, ep: Endpoint, reason: str) -> None:
+        if reason == "status_429":
+            # Busy is not broken: a 429 is retried elsewhere but never ejects.
+            self.metrics.child(self.metrics.upstream_errors, ep.id, reason).inc()
+            return
         now = time.monotonic()
         before = ep.outlier.ejected_until
         ep.outlier = record_failure(ep.outlier, now, self.outlier_policy)
@@ -222,6 +226,8 @@ class ProxyApp:
             try:
                 await self._route(scope, receive, send)
             except ApiError as err:
+                # Labelled without model and endpoint: the model may be any string a client sent.
+                self.state.metrics.child(self.state.metrics.requests, "", str(err.status), "").inc()
                 await _respond(send, err.status, err.body(), err.headers)
         elif kind == "lifespan":
             while True:
