@@ -109,7 +109,11 @@ async def test_registration_start_and_publish(
     assert code == 200
     assert 'llmgw_control_nodes{state="READY"} 1.0' in metrics
     assert "llmgw_control_heartbeats_total" in metrics
-    assert (await control.get("/healthz")) == (200, "ok\n")
+    # This control plane runs --insecure, and says so where health is checked.
+    assert (await control.get("/healthz")) == (
+        200,
+        "ok (insecure: plaintext streams, peers not authenticated)\n",
+    )
 
 
 async def test_adoption_sends_nothing_to_adopted_shards_and_stops_unwanted(

@@ -166,11 +166,19 @@ class AgentService:
         if identity is not None and (
             identity.name != register.node_id or identity.role not in ("", "node")
         ):
-            raise GRPCError(
-                grpclib.const.Status.PERMISSION_DENIED,
+            why = (
                 f"certificate is for {identity.role or 'peer'} {identity.name!r}, "
-                f"not node {register.node_id!r}",
+                f"not node {register.node_id!r}"
             )
+            log.warning(
+                "agent refused",
+                peer=peer_host,
+                name=identity.name,
+                node_id=register.node_id,
+                why=why,
+            )
+            self.metrics.refusals.labels("agent", "identity").inc()
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, why)
         session = Session(register.node_id, secrets.token_hex(8), peer_host)
         older = self.sessions.get(session.node_id)
         self.sessions[session.node_id] = session

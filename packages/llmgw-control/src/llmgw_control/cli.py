@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import grpclib.server
 import structlog
 from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
-from llmgw_proto.tls import server_context
+from llmgw_proto.tls import CertReloader, server_context
 
 from llmgw_control import __version__
 from llmgw_control.config import (
@@ -31,6 +30,7 @@ from llmgw_control.config import (
 )
 from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
 from llmgw_control.status import AdminServer
+from llmgw_control.tls_gate import GatedServer
 
 log = structlog.get_logger("llmgw_control")
 
@@ -77,14 +77,25 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     controller = Controller(loaded)
     config = loaded.config
     ssl = None
+    reloader: CertReloader | None = None
     if insecure:
         log.warning("serving plaintext gRPC (--insecure): agents and routers are not authenticated")
     else:
-        ssl = server_context(Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
-    server = grpclib.server.Server([controller.agents, controller.publisher])
+        files = (Path(config.tls.cert), Path(config.tls.key), Path(config.tls.ca))
+        ssl = server_context(*files)
+        # Rotated certificate files are picked up for new connections; open streams stay.
+        reloader = CertReloader(ssl, *files)
+
+    def refused(peer: str, why: str) -> None:
+        log.warning("connection refused by TLS", peer=peer, why=why)
+        controller.metrics.refusals.labels("tls", why.split(":")[0][:60]).inc()
+
+    server = GatedServer(
+        [controller.agents, controller.publisher], ssl_context=ssl, on_refused=refused
+    )
     host, port = split_hostport(config.listen)
-    await server.start(host, port, ssl=ssl, reuse_address=True)
-    admin = AdminServer(controller, controller.metrics.registry)
+    await server.start_gated(host, port)
+    admin = AdminServer(controller, controller.metrics.registry, insecure=ssl is None)
     admin_host, admin_port = split_hostport(config.admin_listen)
     try:
         await admin.start(admin_host, admin_port)
@@ -102,6 +113,8 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         asyncio.create_task(keep_heap()),
         asyncio.create_task(watch_loop_lag(controller.metrics)),
     ]
+    if reloader is not None:
+        housekeeping.append(asyncio.create_task(reloader.run()))
     log.info(
         "llmgw-control serving",
         listen=config.listen,

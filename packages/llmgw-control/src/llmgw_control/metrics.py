@@ -71,6 +71,13 @@ class Metrics:
         self.registrations = Counter(
             "llmgw_control_registrations", "Register messages accepted.", registry=r
         )
+        self.refusals = Counter(
+            "llmgw_control_refusals",
+            "Connections and streams refused: TLS handshakes, node ids that differ from the "
+            "certificate, watches without a router certificate.",
+            ["stream", "reason"],
+            registry=r,
+        )
         self.commands = Counter(
             "llmgw_control_commands",
             "Commands sent to agents, by kind and result.",

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpclib.const
 import grpclib.server
 import structlog
+from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
+from llmgw_proto.tls import peer_identity
 
 from llmgw_control.metrics import Metrics
 
@@ -64,6 +66,31 @@ class Publisher:
         if metrics is not None:
             metrics.publish_version.set(self.version)
 
+    def _check_router(self, stream: grpclib.server.Stream[Any, Any], router_id: str) -> None:
+        """Over TLS only a router's certificate may watch: endpoints are the data path."""
+        cert = stream.peer.cert() if stream.peer is not None else None
+        if cert is None:
+            return  # plaintext (--insecure): nobody is authenticated
+        identity = peer_identity(cert)
+        if identity is not None and identity.role == "router":
+            return
+        addr = stream.peer.addr() if stream.peer is not None else None
+        name = identity.name if identity else ""
+        role = identity.role if identity else ""
+        log.warning(
+            "watch refused",
+            peer=str(addr[0]) if addr else "",
+            name=name,
+            role=role,
+            router_id=router_id,
+        )
+        if self._metrics is not None:
+            self._metrics.refusals.labels("watch", "not a router").inc()
+        raise GRPCError(
+            grpclib.const.Status.PERMISSION_DENIED,
+            f"only a router certificate may watch endpoints; this one is for {role or 'peer'} {name!r}",
+        )
+
     def snapshot(self) -> v1.EndpointSnapshot:
         if self._snapshot is None or self._snapshot.version != self.version:
             self._snapshot = v1.EndpointSnapshot(
@@ -102,6 +129,7 @@ class Publisher:
     ) -> None:
         request = await stream.recv_message() or v1.WatchRequest()
         router_id = request.router_id
+        self._check_router(stream, router_id)
         changed = asyncio.Event()
         self._subscribers.add(changed)
         if self._metrics is not None:

@@ -31,9 +31,13 @@ class StatusSource(Protocol):
 
 
 class AdminServer:
-    def __init__(self, source: StatusSource, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, source: StatusSource, registry: CollectorRegistry, *, insecure: bool = False
+    ) -> None:
         self.source = source
         self.registry = registry
+        # Shown on /healthz so nobody runs plaintext streams without noticing.
+        self.insecure = insecure
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -51,7 +55,12 @@ class AdminServer:
             return _error(405, f"{method} is not supported: use GET")
         path = urllib.parse.urlsplit(target).path
         if path == "/healthz":
-            return 200, "text/plain; charset=utf-8", b"ok\n"
+            body = (
+                b"ok (insecure: plaintext streams, peers not authenticated)\n"
+                if self.insecure
+                else b"ok\n"
+            )
+            return 200, "text/plain; charset=utf-8", body
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
         if path == "/v1/status":
