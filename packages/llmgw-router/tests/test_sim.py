@@ -138,9 +138,9 @@ def test_stalled_stream_ends_with_an_error_event(spawn_engines: Spawn, spawn_rou
     )
 
 
-def test_hypercorn_server_streams(spawn_engines: Spawn, spawn_router: Spawn) -> None:
-    """`server: hypercorn` (the benchmark's comparison) serves the same app."""
-    (engine,) = spawn_engines(1, "--sim-itl", "0.01")
+def test_hypercorn_server_streams_and_cancels(spawn_engines: Spawn, spawn_router: Spawn) -> None:
+    """`server: hypercorn` (the benchmark's comparison) serves the same app correctly."""
+    (engine,) = spawn_engines(1, "--sim-itl", "0.05")
     router = static_router(spawn_router, [engine], server="hypercorn")
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
     stream = client.chat.completions.create(
