@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import random
+import ssl
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_agent.agent import Agent
@@ -343,46 +349,40 @@ async def test_outbox_keeps_order_and_bounds() -> None:
         await asyncio.wait_for(outbox.flushed(), 0.05)
 
 
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def build(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: str,
+    signer: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    san: x509.GeneralName | None = None,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if san is not None:
+        builder = builder.add_extension(x509.SubjectAlternativeName([san]), critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
 def _make_certs(directory: Path, node_id: str) -> dict[str, Path]:
     """A CA, a server certificate for 127.0.0.1 and a node client certificate."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def build(
-        subject: str,
-        key: ec.EllipticCurvePrivateKey,
-        issuer: str,
-        signer: ec.EllipticCurvePrivateKey,
-        *,
-        ca: bool = False,
-        san: x509.GeneralName | None = None,
-    ) -> x509.Certificate:
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name(subject))
-            .issuer_name(name(issuer))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if san is not None:
-            builder = builder.add_extension(x509.SubjectAlternativeName([san]), critical=False)
-        return builder.sign(signer, hashes.SHA256())
-
     ca_key = ec.generate_private_key(ec.SECP256R1())
     server_key = ec.generate_private_key(ec.SECP256R1())
     node_key = ec.generate_private_key(ec.SECP256R1())
-    import ipaddress
-
     certs = {
         "ca": build("test CA", ca_key, "test CA", ca_key, ca=True),
         "server": build(
@@ -429,5 +429,31 @@ async def test_mutual_tls(
             assert register.node_id == "node-a"
             # The control plane sees the node's certificate: the hook for identity checks.
             assert peer_common_name(control.peer_certs[0]) == "node-a"
+            first_serial = control.peer_certs[0]["serialNumber"]
+
+            # Rotate the node's certificate in place (same CA, new key and serial);
+            # the next stream presents the new one.
+            ca_key = serialization.load_pem_private_key(certs["ca.key"].read_bytes(), None)
+            assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+            new_key = ec.generate_private_key(ec.SECP256R1())
+            certs["node.crt"].write_bytes(
+                build("node-a", new_key, "test CA", ca_key).public_bytes(serialization.Encoding.PEM)
+            )
+            certs["node.key"].write_bytes(
+                new_key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+            await control.stop()
+            await control.start(_server_for(certs))
+            await until(lambda: control.registers()[1:], "Register after the rotation")
+            assert peer_common_name(control.peer_certs[-1]) == "node-a"
+            assert control.peer_certs[-1]["serialNumber"] != first_serial
     finally:
         await control.stop()
+
+
+def _server_for(certs: dict[str, Path]) -> ssl.SSLContext:
+    return server_context(certs["server.crt"], certs["server.key"], certs["ca.crt"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import structlog
 from llmgw_proto import v1
-from llmgw_proto.tls import client_context
+from llmgw_proto.tls import CertReloader, client_context
 
 from llmgw_agent import __version__
 from llmgw_agent.config import AgentConfig
@@ -36,13 +36,16 @@ class Agent:
         )
         tls = config.control.tls
         ssl_context = None
+        reloader = None
         if tls.insecure:
             log.warning(
                 "plaintext connection to the control plane: no TLS (insecure)",
                 address=config.control.address,
             )
         else:
-            ssl_context = client_context(Path(tls.cert), Path(tls.key), Path(tls.ca))
+            files = (Path(tls.cert), Path(tls.key), Path(tls.ca))
+            ssl_context = client_context(*files)
+            reloader = CertReloader(ssl_context, *files)
         self.link = ControlLink(
             config,
             handler=self.supervisor,
@@ -50,6 +53,7 @@ class Agent:
             register=self.register,
             usage=self.gpus.usage,
             ssl_context=ssl_context,
+            reloader=reloader,
         )
 
     def register(self) -> v1.Register:

@@ -25,6 +25,7 @@ from grpclib.client import Channel, Stream
 from grpclib.config import Configuration
 from llmgw_proto import v1
 from llmgw_proto.backoff import Backoff
+from llmgw_proto.tls import CertReloader
 
 from llmgw_agent.adapters import split_host_port
 from llmgw_agent.config import AgentConfig
@@ -110,6 +111,8 @@ class ControlLink:
     register: Callable[[], v1.Register]
     usage: Callable[[], list[v1.GpuUsage]]
     ssl_context: ssl.SSLContext | None = None
+    # Re-reads rotated certificate files into ssl_context before each new stream.
+    reloader: CertReloader | None = None
     backoff: Backoff | None = None
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     session_id: str = ""
@@ -166,6 +169,8 @@ class ControlLink:
             await task
 
     async def _session(self, up_since: list[float]) -> None:
+        if self.reloader is not None:
+            self.reloader.check()
         host, port = split_host_port(self.config.control.address)
         channel = Channel(
             host,
