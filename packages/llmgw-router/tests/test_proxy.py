@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -227,6 +230,65 @@ def test_api_keys(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
         assert reply.system_fingerprint == "e1"
         with pytest.raises(openai.AuthenticationError):
             client(router, "sk-three").chat.completions.create(model="m1", messages=[])
+
+
+def test_api_keys_file_and_per_key_model_allow_list(
+    spawn_router: Spawn, upstreams: list[Upstream], tmp_path: Path
+) -> None:
+    e1, _ = upstreams  # e1 serves m1 and m2
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - sk-file-all\n  - {key: sk-only-m2, name: team-b, models: [m2]}\n")
+    router = spawn_router(
+        {
+            "api_keys": [{"key": "sk-only-m1", "name": "team-a", "models": ["m1"]}],
+            "api_keys_file": str(keys),
+            "endpoints": [e1.entry(["m1", "m2"])],
+        }
+    )
+    with router.proc:
+        # A key from the file, with no allow-list, may use every model.
+        for model in ("m1", "m2"):
+            assert client(router, "sk-file-all").chat.completions.create(model=model, messages=[])
+        # A limited key uses its models and is refused the others, with a clear error.
+        assert client(router, "sk-only-m1").chat.completions.create(model="m1", messages=[])
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            client(router, "sk-only-m2").chat.completions.create(model="m1", messages=[])
+        error = info.value.response.json()["error"]
+        assert error["code"] == "model_not_allowed"
+        assert error["param"] == "model"
+        assert "team-b" in error["message"]
+        # /v1/models lists what the key may use.
+        listed = {m.id for m in client(router, "sk-only-m2").models.list()}
+        assert listed == {"m2"}
+
+
+def test_bad_keys_file_names_file_and_field(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {key: sk-1, modelz: [m1]}\n")
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        f"api_keys_file: {keys}\nendpoints: [{{id: e, url: 'http://127.0.0.1:1', models: [m]}}]\n"
+    )
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "llmgw-router"), "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"{keys}: $.keys[0]: Object contains unknown field `modelz`" in done.stderr
+    assert "Traceback" not in done.stderr
+    config.write_text(
+        "api_keys: [sk-1, sk-1]\nendpoints: [{id: e, url: 'http://127.0.0.1:1', models: [m]}]\n"
+    )
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "llmgw-router"), "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"{config}: $.api_keys[1]: this API key is listed twice" in done.stderr
 
 
 def test_no_usable_endpoint_is_503_with_retry_after(

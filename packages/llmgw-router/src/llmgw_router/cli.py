@@ -10,7 +10,7 @@ from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
 
 from llmgw_router import __version__
-from llmgw_router.config import RouterConfig, parse_endpoint_flag, validate
+from llmgw_router.config import RouterConfig, parse_endpoint_flag, resolve_api_keys, validate
 from llmgw_router.endpoints import EndpointSpec
 
 __all__ = ["main"]
@@ -90,6 +90,10 @@ def serve(
             control_ssl(cfg.control, insecure)
         except ValueError as err:
             fail(f"{source}: {err}")
+    try:
+        api_keys = resolve_api_keys(cfg, source)
+    except ConfigError as err:
+        fail(str(err))
     if not cfg.endpoints and cfg.control is None:
         fail(
             f"{source}: no endpoints: give `endpoints:` or `control:` in the config, or --endpoint"
@@ -107,4 +111,4 @@ def serve(
     )
     from llmgw_router.server import run
 
-    run(cfg, static, insecure=insecure)
+    run(cfg, static, insecure=insecure, api_keys=api_keys)

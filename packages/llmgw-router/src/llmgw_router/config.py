@@ -7,10 +7,11 @@ valid router. Cross-field rules that msgspec cannot express are checked in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
-from llmgw_proto.config import BaseConfig, ConfigError, Duration
+from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 
 __all__ = [
     "AffinityConfig",
@@ -119,6 +120,53 @@ class ControlConfig(BaseConfig):
     backoff_cap: Duration = Duration(30.0)
 
 
+class ApiKeyConfig(BaseConfig):
+    key: Annotated[str, msgspec.Meta(min_length=1)]
+    # Shown in logs and metrics instead of the key.
+    name: str = ""
+    # Served model names this key may use; empty means every model.
+    models: list[str] = msgspec.field(default_factory=list)
+
+
+class KeysFile(BaseConfig):
+    keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    secret: bytes
+    name: str
+    models: frozenset[str]
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+def resolve_api_keys(cfg: RouterConfig, source: str) -> tuple[ApiKey, ...]:
+    """Every API key from the config and the keys file; ConfigError names file and field."""
+    # (file, field path, entry) so that a problem is reported where it was written.
+    entries: list[tuple[str, str, str | ApiKeyConfig]] = [
+        (source, f"$.api_keys[{i}]", entry) for i, entry in enumerate(cfg.api_keys)
+    ]
+    if cfg.api_keys_file:
+        keys_file = load(cfg.api_keys_file, KeysFile)
+        entries += [
+            (cfg.api_keys_file, f"$.keys[{i}]", entry) for i, entry in enumerate(keys_file.keys)
+        ]
+    keys: list[ApiKey] = []
+    seen: set[bytes] = set()
+    for where, field, entry in entries:
+        item = entry if isinstance(entry, ApiKeyConfig) else ApiKeyConfig(key=entry)
+        if not item.key.strip():
+            raise ConfigError(where, "an API key must not be empty", field)
+        secret = item.key.encode()
+        if secret in seen:
+            raise ConfigError(where, "this API key is listed twice", field)
+        seen.add(secret)
+        keys.append(ApiKey(secret, item.name or f"key-{len(keys) + 1}", frozenset(item.models)))
+    return tuple(keys)
+
+
 class RouterConfig(BaseConfig):
     listen: str = "0.0.0.0:8080"
     admin_listen: str = "127.0.0.1:9090"
@@ -126,7 +174,11 @@ class RouterConfig(BaseConfig):
     balancer: Balancer = "least_outstanding"
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024
-    api_keys: list[str] = msgspec.field(default_factory=list)
+    # Bearer tokens: plain strings, or {key, name, models} to limit a key to some models.
+    api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
+    # More keys from a YAML/TOML file of the form `keys: [...]` (same entries as api_keys),
+    # so secrets need not sit in the main config.
+    api_keys_file: str = ""
     deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
     # Per served model name: deadlines that differ from the global ones.
     model_deadlines: dict[str, DeadlinesOverride] = msgspec.field(default_factory=dict)

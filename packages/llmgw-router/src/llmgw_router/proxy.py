@@ -30,7 +30,7 @@ import structlog
 
 from llmgw_router.balancers import Balancer, make_balancer
 from llmgw_router.budget import RetryBudget
-from llmgw_router.config import Deadlines, RouterConfig
+from llmgw_router.config import ApiKey, Deadlines, RouterConfig
 from llmgw_router.endpoints import Endpoint, EndpointSet
 from llmgw_router.errors import ApiError, error_body, sse_error_event
 from llmgw_router.metrics import Metrics
@@ -213,10 +213,12 @@ def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
 class ProxyApp:
     """ASGI app for the OpenAI routes."""
 
-    def __init__(self, state: RouterState, pool: Pool | None = None) -> None:
+    def __init__(
+        self, state: RouterState, pool: Pool | None = None, api_keys: tuple[ApiKey, ...] = ()
+    ) -> None:
         self.state = state
         self.pool = pool
-        self._keys = [k.encode() for k in state.config.api_keys]
+        self._keys = api_keys
         self._affinity_header = state.config.affinity.header.lower().encode()
         self._deadlines_by_model: dict[str, Deadlines] = {}
 
@@ -246,42 +248,47 @@ class ProxyApp:
                 raise ApiError(
                     405, f"{method} is not allowed on {path}; use POST", code="method_not_allowed"
                 )
-            self._authorize(scope)
-            await self._proxy(scope, receive, send)
+            key = self._authorize(scope)
+            await self._proxy(scope, receive, send, key)
         elif path == "/v1/models":
             if method != "GET":
                 raise ApiError(
                     405, f"{method} is not allowed on {path}; use GET", code="method_not_allowed"
                 )
-            self._authorize(scope)
-            await _respond(send, 200, self._models_body())
+            key = self._authorize(scope)
+            await _respond(send, 200, self._models_body(key))
         else:
             raise ApiError(404, f"no route {method} {path}", code="not_found")
 
-    def _authorize(self, scope: Scope) -> None:
+    def _authorize(self, scope: Scope) -> ApiKey | None:
+        """The caller's key; None when the router has no keys (open access)."""
         if not self._keys:
-            return
+            return None
         header = _header(scope, b"authorization") or b""
         scheme, _, token = header.partition(b" ")
         token = token.strip()
         # Every key is compared, in constant time each, so timing says nothing about which.
-        ok = False
+        found: ApiKey | None = None
         for key in self._keys:
-            ok |= hmac.compare_digest(token, key)
-        if scheme.lower() != b"bearer" or not ok:
+            if hmac.compare_digest(token, key.secret):
+                found = key
+        if scheme.lower() != b"bearer" or found is None:
             raise ApiError(
                 401,
                 "missing or invalid API key: send `Authorization: Bearer <key>`",
                 "authentication_error",
                 code="invalid_api_key",
             )
+        return found
 
-    def _models_body(self) -> bytes:
+    def _models_body(self, key: ApiKey | None = None) -> bytes:
         now = time.monotonic()
         endpoints = self.state.endpoints
         created = int(time.time())
         data = []
         for model in endpoints.models:
+            if key is not None and not key.allows(model):
+                continue
             eps = endpoints.for_model(model) or ()
             if any(ep.usable(now) for ep in eps):
                 data.append(
@@ -398,7 +405,9 @@ class ProxyApp:
             headers=[(b"retry-after", str(retry_after).encode())],
         )
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _proxy(
+        self, scope: Scope, receive: Receive, send: Send, api_key: ApiKey | None = None
+    ) -> None:
         state = self.state
         started = time.monotonic()
         if state.draining:
@@ -415,6 +424,14 @@ class ProxyApp:
             return
         head = self._parse(body)
         model = head.model
+        if api_key is not None and not api_key.allows(model):
+            raise ApiError(
+                403,
+                f"API key {api_key.name!r} may not use model {model!r}",
+                "permission_error",
+                param="model",
+                code="model_not_allowed",
+            )
         candidates = self._candidates(scope, model)
         key: str | None = None
         if state.config.balancer == "session_affinity":

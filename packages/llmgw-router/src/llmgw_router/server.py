@@ -20,7 +20,7 @@ import structlog
 import uvicorn
 
 from llmgw_router.admin import admin_app
-from llmgw_router.config import RouterConfig
+from llmgw_router.config import ApiKey, RouterConfig
 from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
@@ -66,7 +66,11 @@ def _uvicorn(app: Any, address: str, grace: float) -> _Server:
 
 
 async def serve(
-    config: RouterConfig, static: tuple[EndpointSpec, ...], *, insecure: bool = False
+    config: RouterConfig,
+    static: tuple[EndpointSpec, ...],
+    *,
+    insecure: bool = False,
+    api_keys: tuple[ApiKey, ...] = (),
 ) -> None:
     metrics = Metrics()
     state = RouterState(
@@ -81,7 +85,7 @@ async def serve(
     )
     # The request path has its own lean client (see upstream.py); health checks use aiohttp.
     pool = Pool(per_endpoint=config.pool_per_endpoint, keepalive=config.keepalive)
-    proxy = ProxyApp(state, pool)
+    proxy = ProxyApp(state, pool, api_keys)
     background: list[asyncio.Task[None]] = []
     if config.health_checks.enabled:
         background.append(asyncio.create_task(HealthChecker(state, session).run()))
@@ -169,7 +173,13 @@ async def serve(
     log.info("router stopped")
 
 
-def run(config: RouterConfig, static: tuple[EndpointSpec, ...], *, insecure: bool = False) -> None:
+def run(
+    config: RouterConfig,
+    static: tuple[EndpointSpec, ...],
+    *,
+    insecure: bool = False,
+    api_keys: tuple[ApiKey, ...] = (),
+) -> None:
     try:
         import uvloop
 
@@ -177,4 +187,4 @@ def run(config: RouterConfig, static: tuple[EndpointSpec, ...], *, insecure: boo
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.Runner()
     with runner:
-        runner.run(serve(config, static, insecure=insecure))
+        runner.run(serve(config, static, insecure=insecure, api_keys=api_keys))

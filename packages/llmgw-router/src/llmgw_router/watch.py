@@ -16,7 +16,7 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from llmgw_proto.backoff import Backoff
-from llmgw_proto.tls import client_context
+from llmgw_proto.tls import CertReloader, client_context
 from llmgw_proto.v1 import Endpoint as WireEndpoint
 from llmgw_proto.v1 import EndpointServiceStub, EndpointSnapshot, WatchRequest
 
@@ -75,6 +75,14 @@ class EndpointWatcher:
         self.router_id = router_id
         self.static = static
         self.ssl = control_ssl(control, insecure)
+        # Rotated certificate files are read again before each new subscription.
+        self.reloader = (
+            CertReloader(
+                self.ssl, Path(control.tls.cert), Path(control.tls.key), Path(control.tls.ca)
+            )
+            if self.ssl is not None and control.tls.cert and control.tls.key and control.tls.ca
+            else None
+        )
         host, _, port = control.address.rpartition(":")
         self.host = host
         self.port = int(port)
@@ -99,6 +107,8 @@ class EndpointWatcher:
         return True
 
     async def _subscribe_once(self) -> None:
+        if self.reloader is not None:
+            self.reloader.check()
         channel = Channel(
             self.host,
             self.port,
