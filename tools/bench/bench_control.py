@@ -47,7 +47,7 @@ import grpclib.client
 import grpclib.const
 import msgspec
 import yaml
-from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_control.catalog import ModelConfig, build_catalog
 from llmgw_control.inventory import Node
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer, commit, place
@@ -124,7 +124,7 @@ class ControlProcess:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
-                if get(self.url("/healthz")) == "ok\n":
+                if str(get(self.url("/healthz"))).startswith("ok"):
                     return started
             if self.proc.poll() is not None:
                 raise SystemExit(f"control exited: see {self.log}")
@@ -201,7 +201,7 @@ class SimAgent:
             try:
                 await self.session(channel)
                 backoff.reset()
-            except (GRPCError, StreamTerminatedError, ConnectionError, OSError):
+            except (GRPCError, ProtocolError, StreamTerminatedError, OSError):
                 pass
             finally:
                 self.connected = False
@@ -224,6 +224,8 @@ class SimAgent:
                     await self.obey(stream, lock, msg)
             finally:
                 beats.cancel()
+            async with lock:
+                await stream.end()
 
     async def beat(self, stream: Any, lock: asyncio.Lock) -> None:
         # Spread the fleet's heartbeats over the interval, as independent nodes would be.

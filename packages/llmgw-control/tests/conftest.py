@@ -21,7 +21,7 @@ import grpclib.client
 import grpclib.const
 import pytest
 import yaml
-from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_proto import v1
 from llmgw_testkit import Proc, free_port, http_get, wait_for_async
 
@@ -225,7 +225,7 @@ class FakeAgent:
             channel = grpclib.client.Channel("127.0.0.1", self.port, ssl=self.ssl)
             try:
                 await self._session(channel)
-            except (GRPCError, StreamTerminatedError, ConnectionError, OSError) as err:
+            except (GRPCError, ProtocolError, StreamTerminatedError, OSError) as err:
                 self.closed_by_server.append(f"{type(err).__name__}: {err}")
             finally:
                 self.connected.clear()
@@ -273,6 +273,10 @@ class FakeAgent:
                 beats.cancel()
                 with contextlib.suppress(BaseException):
                     await beats
+            # The server ended its side: end ours, so leaving the block reads the
+            # status (grpclib refuses to read it while our side is still open).
+            async with self._lock:
+                await stream.end()
 
     async def _send(self, stream: Any, msg: v1.AgentMessage) -> None:
         async with self._lock:
