@@ -147,6 +147,11 @@ class ControlProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def runqueue_seconds(self) -> float:
+        """Time the control plane was runnable but waiting for a CPU (schedstat)."""
+        assert self.proc is not None
+        return int(Path(f"/proc/{self.proc.pid}/schedstat").read_text().split()[1]) / 1e9
+
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.admin_port}{path}"
 
@@ -411,6 +416,7 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         await asyncio.sleep(args.heartbeat * 2)
         before = await control.metrics()
         cpu0 = control.cpu_seconds()
+        wait0 = control.runqueue_seconds()
         baseline = start_baseline(args.control_core, args.window)
         t1 = time.monotonic()
         lag = LoopLag()
@@ -421,6 +427,10 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         elapsed = time.monotonic() - t1
         results["control CPU during the window (% of its core)"] = (
             (control.cpu_seconds() - cpu0) / elapsed * 100
+        )
+        # Runnable but not running: the core was busy with someone else's work.
+        results["control waiting for its core (% of the window)"] = (
+            (control.runqueue_seconds() - wait0) / elapsed * 100
         )
         r0, r1 = reconcile_totals(before), reconcile_totals(after)
         if r1.get("count", 0) > r0.get("count", 0):
