@@ -53,9 +53,9 @@ def read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict[str, s
     length = int(headers.get("content-length", "0"))
     while len(buf) < length:
         buf += sock.recv(65536)
-    body = bytes(buf[:length])
+    content = bytes(buf[:length])
     del buf[:length]
-    return status, headers, body
+    return status, headers, content
 
 
 def post(path: str, body: bytes, extra: str = "") -> bytes:
