@@ -26,99 +26,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
+from benchlib import Run, chat_load, serving, use_uvloop
+from llmgw_testkit import free_port
 
 BIN = Path(sys.executable).parent
 MODEL = "bench-model"
-
-
-@dataclass
-class Result:
-    target: str
-    ok: int
-    errors: int
-    seconds: float
-    latencies: list[float] = field(default_factory=list)
-    # CPU seconds the proxy process used during the run: robust on a busy machine,
-    # where throughput and latency also measure the neighbours.
-    cpu: float = 0.0
-
-    @property
-    def cpu_us(self) -> float:
-        return self.cpu / self.ok * 1e6 if self.ok else float("nan")
-
-    @property
-    def rps(self) -> float:
-        return self.ok / self.seconds if self.seconds else 0.0
-
-    def pct(self, q: float) -> float:
-        if not self.latencies:
-            return float("nan")
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of ``pid`` and its threads (children not included)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pin(core: str) -> list[str]:
     return ["taskset", "-c", core] if shutil.which("taskset") else []
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
-            if r.status == 200:
-                return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not become healthy within {timeout:g}s")
-        time.sleep(0.1)
-
-
 @contextlib.contextmanager
-def process(argv: list[str], health: str, what: str, log: Path) -> Iterator[int]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait_healthy(health, proc, what)
-            yield proc.pid
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+def process(argv: list[str], health: str, what: str, logs: Path, name: str) -> Iterator[int]:
+    with serving(
+        argv, health=health, what=what, log_dir=logs, name=name, timeout=60, interval=0.1, grace=15
+    ) as proc:
+        yield proc.pid
 
 
 def simulator(port: int, logs: Path, itl: float) -> contextlib.AbstractContextManager[int]:
@@ -127,13 +58,13 @@ def simulator(port: int, logs: Path, itl: float) -> contextlib.AbstractContextMa
         "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024",
         "--sim-load-time", "0", "--sim-itl", str(itl),
     ]  # fmt: skip
-    return process(argv, f"http://127.0.0.1:{port}/health", "llmgw-sim", logs / "sim.log")
+    return process(argv, f"http://127.0.0.1:{port}/health", "llmgw-sim", logs, "sim")
 
 
 def llmgw_router(
     port: int, sim: str, server: str, logs: Path
 ) -> contextlib.AbstractContextManager[int]:
-    admin = _free_port()
+    admin = free_port()
     config = logs / f"router-{server}.yaml"
     choice = "" if server == "default" else f"server: {server}\n"
     config.write_text(f"{choice}health_checks: {{interval: 5s}}\n")
@@ -143,7 +74,7 @@ def llmgw_router(
         "--endpoint", f"sim={sim}={MODEL}", "--log-level", "warning",
     ]  # fmt: skip
     return process(
-        argv, f"http://127.0.0.1:{admin}/readyz", f"llmgw-router ({server})", logs / f"{server}.log"
+        argv, f"http://127.0.0.1:{admin}/readyz", f"llmgw-router ({server})", logs, server
     )
 
 
@@ -153,81 +84,32 @@ def vllm_router(
     argv = [
         *_pin("1"), binary, "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", sim, "--policy", "round_robin",
-        "--prometheus-port", str(_free_port()), "--log-level", "warning",
+        "--prometheus-port", str(free_port()), "--log-level", "warning",
     ]  # fmt: skip
-    return process(argv, f"http://127.0.0.1:{port}/health", "vllm-router", logs / "vllm-router.log")
-
-
-async def _worker(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    stream: bool,
-    stop_at: float,
-    result: Result,
-) -> None:
-    headers = {"Content-Type": "application/json"}
-    clock = time.perf_counter
-    while time.monotonic() < stop_at:
-        start = clock()
-        try:
-            async with session.post(url, data=body, headers=headers) as resp:
-                if stream:
-                    tail = b""
-                    async for chunk in resp.content.iter_any():
-                        tail = (tail + chunk)[-32:]
-                    ok = resp.status == 200 and tail.endswith(b"data: [DONE]\n\n")
-                else:
-                    await resp.read()
-                    ok = resp.status == 200
-        except aiohttp.ClientError:
-            ok = False
-        if ok:
-            result.ok += 1
-            result.latencies.append(clock() - start)
-        else:
-            result.errors += 1
+    return process(argv, f"http://127.0.0.1:{port}/health", "vllm-router", logs, "vllm-router")
 
 
 async def run_cell(
     target: str, base: str, pid: int, *, stream: bool, concurrency: int, seconds: float
-) -> Result:
-    payload: dict[str, object] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Say something."}],
-        "max_tokens": 100 if stream else 16,
-        "stream": stream,
-    }
-    if stream:
-        payload["stream_options"] = {"include_usage": True}
-    body = json.dumps(payload).encode()
-    url = base + "/v1/chat/completions"
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        warm = Result(target, 0, 0, 0)
-        stop = time.monotonic() + 0.3
-        await asyncio.gather(
-            *(_worker(session, url, body, stream, stop, warm) for _ in range(concurrency))
-        )
-        result = Result(target, 0, 0, 0)
-        cpu_before = cpu_seconds(pid) if pid else 0.0
-        start = time.monotonic()
-        await asyncio.gather(
-            *(
-                _worker(session, url, body, stream, start + seconds, result)
-                for _ in range(concurrency)
-            )
-        )
-        result.seconds = time.monotonic() - start
-        result.cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
-    return result
+) -> Run:
+    # The proxy's CPU seconds: robust on a busy machine, where throughput and
+    # latency also measure the neighbours. Direct (pid 0) has no proxy.
+    pids = {target: pid} if pid else {}
+    return await chat_load(
+        base, MODEL, stream=stream, concurrency=concurrency, seconds=seconds, pids=pids
+    )
+
+
+def _cpu_us(r: Run, target: str) -> float:
+    """The proxy's CPU microseconds per successful request."""
+    return r.cpu.get(target, 0.0) / r.ok * 1e6 if r.ok else float("nan")
 
 
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1000:7.2f}"
 
 
-def print_table(rows: list[tuple[str, int, dict[str, Result]]], targets: list[str]) -> None:
+def print_table(rows: list[tuple[str, int, dict[str, Run]]], targets: list[str]) -> None:
     print(
         f"{'case':<11} {'conc':>4}  {'target':<16} {'req/s':>8} {'x direct':>8}"
         f" {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'+p99 ms':>7} {'cpu us/req':>10}"
@@ -242,7 +124,7 @@ def print_table(rows: list[tuple[str, int, dict[str, Result]]], targets: list[st
             added50 = _fmt_ms(r.pct(0.5) - direct.pct(0.5)) if direct else ""
             added99 = _fmt_ms(r.pct(0.99) - direct.pct(0.99)) if direct else ""
             errors = f"  ({r.errors} errors)" if r.errors else ""
-            cpu = f"{r.cpu_us:10.0f}" if r.cpu else f"{'':>10}"
+            cpu = f"{_cpu_us(r, target):10.0f}" if r.cpu.get(target) else f"{'':>10}"
             print(
                 f"{case:<11} {conc:>4}  {target:<16} {r.rps:8.0f} {ratio}"
                 f" {_fmt_ms(r.pct(0.5))} {_fmt_ms(r.pct(0.99))} {added50} {added99} {cpu}{errors}"
@@ -290,10 +172,7 @@ def main() -> int:
     # The load generator shares core 0 with the simulator; routers get core 1.
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {0})
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
+    use_uvloop()
 
     cases = [("full", False), ("stream-100", True)]
     if args.case != "all":
@@ -302,7 +181,7 @@ def main() -> int:
         f"{os.cpu_count()} CPUs; routers pinned to core 1, simulator and load on core 0;"
         f" {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
     )
-    rows: list[tuple[str, int, dict[str, Result]]] = []
+    rows: list[tuple[str, int, dict[str, Run]]] = []
     for case, stream in cases:
         # Streams: a tiny inter-token latency makes the simulator write every token on
         # its own, so a 100-token stream is 100 chunks for the proxy to pass on.
@@ -312,13 +191,13 @@ def main() -> int:
             contextlib.ExitStack() as stack,
         ):
             logs = Path(tmp)
-            sim_port = _free_port()
+            sim_port = free_port()
             stack.enter_context(simulator(sim_port, logs, itl))
             sim = f"http://127.0.0.1:{sim_port}"
             bases = {"direct": sim}
             pids = {"direct": 0}
             for target in targets:
-                port = _free_port()
+                port = free_port()
                 if target.startswith("llmgw"):
                     # `llmgw` is the default server; the others name theirs.
                     server = target.partition("-")[2] or "default"
@@ -330,7 +209,7 @@ def main() -> int:
                 if target != "direct":
                     bases[target] = f"http://127.0.0.1:{port}"
             for conc in args.concurrency:
-                best: dict[str, Result] = {}
+                best: dict[str, Run] = {}
                 for _ in range(args.rounds):
                     for target in targets:
                         r = asyncio.run(

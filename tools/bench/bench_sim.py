@@ -22,18 +22,14 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import aiohttp
-
-_TICK = os.sysconf("SC_CLK_TCK")
+from benchlib import chat_load, serving, use_uvloop
+from llmgw_testkit import free_port
 
 
 @dataclass
@@ -51,113 +47,34 @@ class Result:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    # utime and stime are fields 14 and 15 of the whole line.
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not become ready within 30 s")
-        time.sleep(0.05)
-
-
 @contextlib.contextmanager
-def _process(
-    argv: list[str], env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@contextlib.contextmanager
-def simulator(model: str) -> Iterator[tuple[str, int]]:
-    port = _free_port()
+def simulator(model: str, logs: Path) -> Iterator[tuple[str, int]]:
+    port = free_port()
     argv = [
         sys.executable, "-m", "llmgw_sim", "vllm", "serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1024",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    with _process(argv, {"CUDA_VISIBLE_DEVICES": "0"}) as proc:
-        _wait_ready(proc, url + "/health", "simulator")
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    with serving(
+        argv, health=url + "/health", what="simulator", log_dir=logs, name="sim", env=env
+    ) as proc:
         yield url, proc.pid
 
 
 @contextlib.contextmanager
-def router(upstream: str, model: str) -> Iterator[tuple[str, int]]:
-    port, admin = _free_port(), _free_port()
+def router(upstream: str, model: str, logs: Path) -> Iterator[tuple[str, int]]:
+    port, admin = free_port(), free_port()
     script = os.path.join(os.path.dirname(sys.executable), "llmgw-router")
     argv = [
         script, "serve", "--listen", f"127.0.0.1:{port}", "--admin-listen",
         f"127.0.0.1:{admin}", "--endpoint", f"sim={upstream}={model}",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    with _process(argv) as proc:
-        _wait_ready(proc, url + "/v1/models", "llmgw-router")
+    with serving(
+        argv, health=url + "/v1/models", what="llmgw-router", log_dir=logs, name="router"
+    ) as proc:
         yield url, proc.pid
-
-
-async def _worker(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    stream: bool,
-    stop_at: float,
-    counts: list[int],
-) -> None:
-    headers = {"Content-Type": "application/json"}
-    while time.monotonic() < stop_at:
-        try:
-            async with session.post(url, data=body, headers=headers) as resp:
-                if stream:
-                    # Read raw chunks as a proxy would; only the tail is checked
-                    # so the load generator's own parsing does not set the pace.
-                    tail = b""
-                    async for chunk in resp.content.iter_any():
-                        tail = (tail + chunk)[-32:]
-                    ok = resp.status == 200 and tail.endswith(b"data: [DONE]\n\n")
-                else:
-                    await resp.read()
-                    ok = resp.status == 200
-        except aiohttp.ClientError:
-            ok = False
-        counts[0 if ok else 1] += 1
 
 
 async def run_case(
@@ -171,40 +88,12 @@ async def run_case(
     seconds: float,
     pids: dict[str, int],
 ) -> Result:
-    payload: dict[str, object] = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Say something."}],
-        "max_tokens": 100 if stream else 16,
-        "stream": stream,
-    }
-    if stream:
-        payload["stream_options"] = {"include_usage": True}
-    body = json.dumps(payload).encode()
-    url = base + "/v1/chat/completions"
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        # Warm up connections so the measurement is steady-state.
-        warm = [0, 0]
-        await asyncio.gather(
-            *(
-                _worker(session, url, body, stream, time.monotonic() + 0.3, warm)
-                for _ in range(concurrency)
-            )
-        )
-        counts = [0, 0]
-        cpu_before = {label: _cpu_seconds(pid) for label, pid in pids.items()}
-        start = time.monotonic()
-        await asyncio.gather(
-            *(
-                _worker(session, url, body, stream, start + seconds, counts)
-                for _ in range(concurrency)
-            )
-        )
-        elapsed = time.monotonic() - start
-        cpu = {label: _cpu_seconds(pid) - cpu_before[label] for label, pid in pids.items()}
-    done = max(1, counts[0] + counts[1])
+    run = await chat_load(
+        base, model, stream=stream, concurrency=concurrency, seconds=seconds, pids=pids
+    )
+    done = max(1, run.ok + run.errors)
     return Result(
-        name, target, counts[0], counts[1], elapsed, {k: v / done for k, v in cpu.items()}
+        name, target, run.ok, run.errors, run.seconds, {k: v / done for k, v in run.cpu.items()}
     )
 
 
@@ -261,21 +150,18 @@ def main() -> int:
     args = parser.parse_args()
     if args.concurrency < 1 or args.seconds <= 0 or args.repeat < 1:
         parser.error("--concurrency and --repeat must be >= 1, --seconds > 0")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    use_uvloop()
     with contextlib.ExitStack() as stack:
+        # Each started process writes its output here; an early exit prints its tail.
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-sim-")))
         pids: dict[str, int] = {}
         if args.url:
             url = args.url
         else:
-            url, pids["simulator"] = stack.enter_context(simulator(args.model))
+            url, pids["simulator"] = stack.enter_context(simulator(args.model, logs))
         targets = {"direct": url}
         if args.with_router:
-            targets["router"], pids["router"] = stack.enter_context(router(url, args.model))
+            targets["router"], pids["router"] = stack.enter_context(router(url, args.model, logs))
         best = asyncio.run(measure(args, targets, pids))
     results = [r for rs in best.values() for r in rs]
     if args.json:
