@@ -1,7 +1,7 @@
 """Every check and task of the llmgw monorepo. `nox` alone runs what CI runs.
 
-nox                  lint, typecheck, tests, integration, build
-nox -s demo          the local demo (README quick start)
+nox                  lint, typecheck, tests, integration, build, real_engine
+nox -s demo          the local demo (README quick start; `-- --real` for llama.cpp)
 nox -s proto         regenerate llmgw_proto from the .proto files
 nox -s bench         the benchmarks in tools/bench/
 """
@@ -52,7 +52,7 @@ def typecheck(session: nox.Session) -> None:
     sources = [f"packages/{p}/src" for p in PACKAGES] + [f"{t}/src" for t in TOOLS]
     session.run("mypy", "--strict", *sources, "tools/gen_proto.py")
     # Test suites each have a conftest.py, so mypy sees them one at a time.
-    suites = [*UNIT_TESTS, "tests-integration"]
+    suites = [*UNIT_TESTS, "tests-integration", "tests-real-engine"]
     suites += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tools" / "bench").glob("*.py"))]
     for suite in suites:
         if any((ROOT / suite).rglob("*.py")) or suite.endswith(".py"):
