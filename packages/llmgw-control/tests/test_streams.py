@@ -260,9 +260,14 @@ async def test_control_plane_restart_adopts_everything_and_touches_no_engine(
     control.stop()
     await until(lambda: not any(a.connected.is_set() for a in agents), "streams dropped")
     control.start()
+    # A router that resubscribes at once, before the agents are back, must not be
+    # handed a partial set: it would drop endpoints whose engines serve fine.
+    early = watcher_factory(control.grpc_port)
     status = await control.until(
         lambda s: len(replicas_in(s, "ready")) == 3 and s, "all adopted and ready again"
     )
+    await early.until(lambda s: len(s.endpoints) == 3, "the early watcher's snapshot")
+    assert [len(s.endpoints) for s in early.snapshots] == [3] * len(early.snapshots)
     assert all(r["adopted"] for r in status["replicas"])
     assert {n["state"] for n in status["nodes"]} == {"READY"}
     watcher = watcher_factory(control.grpc_port)

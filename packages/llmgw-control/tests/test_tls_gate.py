@@ -29,8 +29,10 @@ def ca_dir(tmp_path: Path) -> Path:
 async def gated(ca_dir: Path) -> AsyncIterator[tuple[int, list[tuple[str, str]]]]:
     srv = issue(ca_dir, "server", "localhost", hosts=["localhost", "127.0.0.1"])
     refused: list[tuple[str, str]] = []
+    publisher = Publisher()
+    publisher.primed.set()  # no startup grace to wait for here
     server = GatedServer(
-        [Publisher()],
+        [publisher],
         ssl_context=server_context(srv.cert, srv.key, ca_dir / "ca.crt"),
         on_refused=lambda peer, why: refused.append((peer, why)),
     )

@@ -202,6 +202,10 @@ class Controller:
         for node in self.inventory.refresh(now, c.unreachable_after, c.lost_after):
             log.info("node state", node_id=node.node_id, state=node.state.value)
             self._dirty = True
+        if not self.publisher.primed.is_set() and now >= self.state.started_at + c.startup_grace:
+            # Agents have had their grace to report what runs: publish from now on.
+            self.publisher.update(self.endpoints())
+            self.publisher.primed.set()
         # Same input, no deadline due: the pass would send nothing. On a large fleet
         # a pass costs enough to delay heartbeats, so it is not run for nothing.
         if not (force or self._dirty or now >= self._next_at or now >= self._resync_at):

@@ -63,6 +63,10 @@ class Publisher:
         self._snapshot: v1.EndpointSnapshot | None = None
         self._subscribers: set[asyncio.Event] = set()
         self._metrics = metrics
+        # Set once the control plane knows what runs (its startup grace is over). Until
+        # then a restarted control plane would publish a partial set and routers would
+        # drop endpoints that serve fine, so watchers wait, keeping what they have.
+        self.primed = asyncio.Event()
         if metrics is not None:
             metrics.publish_version.set(self.version)
 
@@ -130,6 +134,7 @@ class Publisher:
         request = await stream.recv_message() or v1.WatchRequest()
         router_id = request.router_id
         self._check_router(stream, router_id)
+        await self.primed.wait()
         changed = asyncio.Event()
         self._subscribers.add(changed)
         if self._metrics is not None:
