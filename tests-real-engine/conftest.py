@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from llmgw_testkit.cluster import Cluster
+
+# The `cluster` fixture: a whole system over mTLS, stopped (logs shown on failure) after.
+from llmgw_testkit.fixtures import cluster, pytest_runtest_makereport
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache" / "models" / "gemma3-270m-q4_k_m.gguf"
@@ -109,26 +112,4 @@ def serving(cpu_cluster: Cluster, start_cpu_agent: Callable[[str], None]) -> Clu
     return cpu_cluster
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """A system over mutual TLS; every process it started (engines too) is stopped after."""
-    system = Cluster(tmp_path)
-    try:
-        yield system
-    finally:
-        system.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            logs = [*system.logs.glob("*.log"), *(tmp_path / "state").glob("*/logs/*.log")]
-            for log in sorted(logs):
-                print(f"----- {log.name} (last 40 lines)")
-                print("\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report: pytest.TestReport = yield
-    setattr(item, f"rep_{report.when}", report)
-    return report
+__all__ = ["cluster", "pytest_runtest_makereport"]
