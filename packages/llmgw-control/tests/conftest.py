@@ -227,6 +227,11 @@ class FakeAgent:
                 await self._session(channel)
             except (GRPCError, ProtocolError, StreamTerminatedError, OSError) as err:
                 self.closed_by_server.append(f"{type(err).__name__}: {err}")
+            except Exception as err:
+                # Anything else still ends this stream: say what, rather than go quiet.
+                self.closed_by_server.append(f"unexpected {type(err).__name__}: {err!r}")
+            else:
+                self.closed_by_server.append("ended without an error status")
             finally:
                 self.connected.clear()
                 channel.close()
@@ -274,9 +279,11 @@ class FakeAgent:
                 with contextlib.suppress(BaseException):
                     await beats
             # The server ended its side: end ours, so leaving the block reads the
-            # status (grpclib refuses to read it while our side is still open).
-            async with self._lock:
-                await stream.end()
+            # status (grpclib refuses to read it while our side is still open). A stream
+            # the server already closed may refuse the end; the status is read all the same.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5), self._lock:
+                    await stream.end()
 
     async def _send(self, stream: Any, msg: v1.AgentMessage) -> None:
         async with self._lock:
