@@ -11,7 +11,7 @@ import random
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -38,6 +38,14 @@ from llmgw_sim.protocol import (
     parse_embedding,
     parse_tokenize,
 )
+
+
+class _Named(Protocol):
+    @property
+    def model(self) -> str | None: ...
+
+
+_Req = TypeVar("_Req", bound=_Named)
 
 ERROR_HEADER = "X-Sim-Error"
 ERROR_MESSAGE_HEADER = "X-Sim-Error-Message"
@@ -337,6 +345,19 @@ class Api:
 
     # ----- guards -----------------------------------------------------------
 
+    def _admit(self, request: Request, parse: Callable[[dict[str, Any]], _Req]) -> _Req | Response:
+        """What every inference route checks first: the gate, the body, the model and any
+        injected error. Returns the parsed request, or the answer to send instead."""
+        gate = self._gate(request, inference=True)
+        if gate is not None:
+            return gate
+        try:
+            req = parse(decode_body(request.body))
+        except BadRequest as err:
+            return self.engine.error(400, str(err))
+        bad = self.engine.check_model(req.model) or self.engine.injected_error(request)
+        return bad if bad is not None else req
+
     def _gate(self, request: Request, *, inference: bool) -> Response | None:
         eng = self.engine
         if not eng.ready:
@@ -557,16 +578,9 @@ class Api:
 
     async def embeddings(self, request: Request) -> Response:
         eng = self.engine
-        gate = self._gate(request, inference=True)
-        if gate is not None:
-            return gate
-        try:
-            req = parse_embedding(decode_body(request.body))
-        except BadRequest as err:
-            return eng.error(400, str(err))
-        bad = eng.check_model(req.model) or eng.injected_error(request)
-        if bad is not None:
-            return bad
+        req = self._admit(request, parse_embedding)
+        if isinstance(req, Response):
+            return req
         dim = req.dimensions or eng.knobs.embedding_dim
         data: list[dict[str, Any]] = []
         prompt_tokens = 0
@@ -609,16 +623,9 @@ class Api:
     ) -> Response | Stream:
         eng = self.engine
         arrival = time.monotonic()
-        gate = self._gate(request, inference=True)
-        if gate is not None:
-            return gate
-        try:
-            gen = parse(decode_body(request.body))
-        except BadRequest as err:
-            return eng.error(400, str(err))
-        bad = eng.check_model(gen.model) or eng.injected_error(request)
-        if bad is not None:
-            return bad
+        gen = self._admit(request, parse)
+        if isinstance(gen, Response):
+            return gen
         prompt: list[Any] = (
             gen.prompt_ids if gen.prompt_ids is not None else tokenize(gen.prompt_text)
         )
