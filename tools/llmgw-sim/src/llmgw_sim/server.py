@@ -348,15 +348,25 @@ class Api:
     def _admit(self, request: Request, parse: Callable[[dict[str, Any]], _Req]) -> _Req | Response:
         """What every inference route checks first: the gate, the body, the model and any
         injected error. Returns the parsed request, or the answer to send instead."""
-        gate = self._gate(request, inference=True)
-        if gate is not None:
-            return gate
+        body = self._body(request, inference=True)
+        if isinstance(body, Response):
+            return body
         try:
-            req = parse(decode_body(request.body))
+            req = parse(body)
         except BadRequest as err:
             return self.engine.error(400, str(err))
         bad = self.engine.check_model(req.model) or self.engine.injected_error(request)
         return bad if bad is not None else req
+
+    def _body(self, request: Request, *, inference: bool) -> dict[str, Any] | Response:
+        """The gate, then the JSON body: the body, or the answer to send instead."""
+        gate = self._gate(request, inference=inference)
+        if gate is not None:
+            return gate
+        try:
+            return decode_body(request.body)
+        except BadRequest as err:
+            return self.engine.error(400, str(err))
 
     def _gate(self, request: Request, *, inference: bool) -> Response | None:
         eng = self.engine
@@ -510,13 +520,9 @@ class Api:
 
     async def load_lora(self, request: Request) -> Response:
         eng = self.engine
-        gate = self._gate(request, inference=False)
-        if gate is not None:
-            return gate
-        try:
-            body = decode_body(request.body)
-        except BadRequest as err:
-            return eng.error(400, str(err))
+        body = self._body(request, inference=False)
+        if isinstance(body, Response):
+            return body
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             return eng.error(400, "Both 'lora_name' and 'lora_path' must be provided.")
@@ -527,13 +533,9 @@ class Api:
 
     async def unload_lora(self, request: Request) -> Response:
         eng = self.engine
-        gate = self._gate(request, inference=False)
-        if gate is not None:
-            return gate
-        try:
-            body = decode_body(request.body)
-        except BadRequest as err:
-            return eng.error(400, str(err))
+        body = self._body(request, inference=False)
+        if isinstance(body, Response):
+            return body
         name = body.get("lora_name")
         if not isinstance(name, str) or name not in eng.loras:
             return eng.error(404, f"The lora adapter '{name}' cannot be found.")
