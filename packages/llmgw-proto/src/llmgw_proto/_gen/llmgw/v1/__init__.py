@@ -7,19 +7,29 @@ __all__ = (
     "AgentMessage",
     "AgentServiceBase",
     "AgentServiceStub",
+    "CacheEvents",
     "CommandResult",
     "ControlMessage",
+    "DeclaredModel",
+    "DemandReply",
+    "DemandRequest",
     "DrainShard",
     "Endpoint",
+    "EndpointCache",
+    "EndpointLoad",
     "EndpointServiceBase",
     "EndpointServiceStub",
     "EndpointSnapshot",
+    "EngineInfo",
     "EngineKind",
+    "EngineLoad",
     "Gpu",
     "GpuUsage",
     "Heartbeat",
     "Host",
     "Inventory",
+    "LoadReport",
+    "LoadUpdate",
     "MultiNode",
     "NetworkInterface",
     "Register",
@@ -181,8 +191,53 @@ class AgentMessage(betterproto2.Message):
         4, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
     )
 
+    load_report: "LoadReport | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    What the node's engines report about themselves; only changes are sent.
+    """
+
+    cache_events: "CacheEvents | None" = betterproto2.field(
+        6, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    Blocks the engines' prefix caches stored or evicted (engines that publish KV events).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "AgentMessage", AgentMessage)
+
+
+@dataclass(eq=False, repr=False)
+class CacheEvents(betterproto2.Message):
+    """
+    Prefix-cache blocks one engine stored or evicted, relayed from its KV-event publisher.
+    """
+
+    shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    stored: "list[int]" = betterproto2.field(2, betterproto2.TYPE_UINT64, repeated=True)
+    """
+    The engine's own block hashes (truncated to 64 bits).
+    """
+
+    removed: "list[int]" = betterproto2.field(3, betterproto2.TYPE_UINT64, repeated=True)
+
+    cleared: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
+    """
+    The engine cleared its whole cache (or restarted): forget everything it held.
+    """
+
+    block_size: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    Tokens per block, as the engine hashes them.
+    """
+
+    generation: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("llmgw.v1", "CacheEvents", CacheEvents)
 
 
 @dataclass(eq=False, repr=False)
@@ -227,6 +282,52 @@ default_message_pool.register_message("llmgw.v1", "ControlMessage", ControlMessa
 
 
 @dataclass(eq=False, repr=False)
+class DeclaredModel(betterproto2.Message):
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    served_model_names: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+
+    scale_to_zero: "bool" = betterproto2.field(3, betterproto2.TYPE_BOOL)
+    """
+    Replicas may be zero: a router holds requests for it instead of answering 404.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "DeclaredModel", DeclaredModel)
+
+
+@dataclass(eq=False, repr=False)
+class DemandReply(betterproto2.Message):
+    accepted: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
+
+    reason: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Why not, e.g. "no such model" or "not scale-to-zero".
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "DemandReply", DemandReply)
+
+
+@dataclass(eq=False, repr=False)
+class DemandRequest(betterproto2.Message):
+    router_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    model: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The model as the client named it.
+    """
+
+    held: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    Requests the router holds for it now.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "DemandRequest", DemandRequest)
+
+
+@dataclass(eq=False, repr=False)
 class DrainShard(betterproto2.Message):
     """
     Wait until the engine has no running requests, or the deadline passes, then stop.
@@ -239,6 +340,8 @@ class DrainShard(betterproto2.Message):
     deadline: "datetime.datetime | None" = betterproto2.field(
         3, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Timestamp, optional=True
     )
+
+    epoch: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
 
 
 default_message_pool.register_message("llmgw.v1", "DrainShard", DrainShard)
@@ -276,8 +379,68 @@ class Endpoint(betterproto2.Message):
     Path of the engine's health check, e.g. /health.
     """
 
+    generation: "int" = betterproto2.field(11, betterproto2.TYPE_UINT64)
+    """
+    Changes whenever the engine process behind the endpoint changes.
+    """
+
+    engine: "EngineKind" = betterproto2.field(
+        12, betterproto2.TYPE_ENUM, default_factory=lambda: EngineKind(0)
+    )
+
 
 default_message_pool.register_message("llmgw.v1", "Endpoint", Endpoint)
+
+
+@dataclass(eq=False, repr=False)
+class EndpointCache(betterproto2.Message):
+    """
+    Changes to the blocks one endpoint's engine holds in its prefix cache.
+    """
+
+    endpoint_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    stored: "list[int]" = betterproto2.field(2, betterproto2.TYPE_UINT64, repeated=True)
+
+    removed: "list[int]" = betterproto2.field(3, betterproto2.TYPE_UINT64, repeated=True)
+
+    cleared: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
+
+    block_size: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+
+    generation: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("llmgw.v1", "EndpointCache", EndpointCache)
+
+
+@dataclass(eq=False, repr=False)
+class EndpointLoad(betterproto2.Message):
+    endpoint_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    known: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+
+    running: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+
+    waiting: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+
+    kv_cache_usage: "float" = betterproto2.field(5, betterproto2.TYPE_FLOAT)
+
+    prefix_cache_queries: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+    prefix_cache_hits: "int" = betterproto2.field(7, betterproto2.TYPE_UINT64)
+
+    generation: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+
+    age: "datetime.timedelta | None" = betterproto2.field(
+        9, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Duration, optional=True
+    )
+    """
+    How old the figures were when the control plane sent them.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "EndpointLoad", EndpointLoad)
 
 
 @dataclass(eq=False, repr=False)
@@ -289,8 +452,88 @@ class EndpointSnapshot(betterproto2.Message):
 
     endpoints: "list[Endpoint]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
 
+    models: "list[DeclaredModel]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Every model the catalog declares, with or without ready replicas, so routers list
+    them and hold requests for a model that is scaled to zero.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "EndpointSnapshot", EndpointSnapshot)
+
+
+@dataclass(eq=False, repr=False)
+class EngineInfo(betterproto2.Message):
+    """
+    One engine installed on a node: its kind and version, read from the engine itself.
+    """
+
+    kind: "EngineKind" = betterproto2.field(
+        1, betterproto2.TYPE_ENUM, default_factory=lambda: EngineKind(0)
+    )
+
+    version: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    As the engine prints it, e.g. "0.32.0" or "b11434".
+    """
+
+    executable: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The executable or Python interpreter the agent runs.
+    """
+
+    error: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    Non-empty when the engine's help or version could not be read; its profiles fail
+    validation with this reason.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "EngineInfo", EngineInfo)
+
+
+@dataclass(eq=False, repr=False)
+class EngineLoad(betterproto2.Message):
+    """
+    One engine's own view of its load, read from its metrics endpoint.
+    """
+
+    shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    known: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    False when the engine's metrics could not be read; the figures are then meaningless.
+    """
+
+    running: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    Requests the engine is running now (in its batch).
+    """
+
+    waiting: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    Requests queued in the engine, not yet scheduled.
+    """
+
+    kv_cache_usage: "float" = betterproto2.field(5, betterproto2.TYPE_FLOAT)
+    """
+    Share of the KV cache in use, 0..1.
+    """
+
+    prefix_cache_queries: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    Cumulative prefix-cache lookups and hits, in tokens (engine counters).
+    """
+
+    prefix_cache_hits: "int" = betterproto2.field(7, betterproto2.TYPE_UINT64)
+
+    generation: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+    """
+    Changes whenever the engine process changes (restart): its cache starts empty.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "EngineLoad", EngineLoad)
 
 
 @dataclass(eq=False, repr=False)
@@ -386,6 +629,37 @@ default_message_pool.register_message("llmgw.v1", "Inventory", Inventory)
 
 
 @dataclass(eq=False, repr=False)
+class LoadReport(betterproto2.Message):
+    """
+    The latest figures of the node's engines whose figures changed since the last report.
+    """
+
+    engines: "list[EngineLoad]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    time: "datetime.datetime | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Timestamp, optional=True
+    )
+
+
+default_message_pool.register_message("llmgw.v1", "LoadReport", LoadReport)
+
+
+@dataclass(eq=False, repr=False)
+class LoadUpdate(betterproto2.Message):
+    full: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
+    """
+    A full picture (on subscribe) replaces what the router holds; otherwise only changes.
+    """
+
+    loads: "list[EndpointLoad]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    caches: "list[EndpointCache]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+
+
+default_message_pool.register_message("llmgw.v1", "LoadUpdate", LoadUpdate)
+
+
+@dataclass(eq=False, repr=False)
 class MultiNode(betterproto2.Message):
     rank: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
 
@@ -439,6 +713,11 @@ class Register(betterproto2.Message):
     them instead of starting them again.
     """
 
+    engines: "list[EngineInfo]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The engines installed on the node, each as the engine itself reported it.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Register", Register)
 
@@ -450,6 +729,18 @@ class RegisterAck(betterproto2.Message):
     heartbeat_interval: "datetime.timedelta | None" = betterproto2.field(
         2, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Duration, optional=True
     )
+
+    epoch: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    The leader's epoch; it grows with every change of leader. Commands carry it too.
+    """
+
+    load_interval: "datetime.timedelta | None" = betterproto2.field(
+        4, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Duration, optional=True
+    )
+    """
+    How often the agent reads its engines' metrics for load reports.
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "RegisterAck", RegisterAck)
@@ -601,6 +892,11 @@ class StartShard(betterproto2.Message):
     CPU-only shards (zero GPUs) say how many threads to use.
     """
 
+    epoch: "int" = betterproto2.field(16, betterproto2.TYPE_UINT64)
+    """
+    The sending leader's epoch: an agent refuses a command older than the newest it has seen.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "StartShard", StartShard)
 
@@ -617,6 +913,8 @@ class StopShard(betterproto2.Message):
     """
     How long the engine has between SIGTERM and SIGKILL.
     """
+
+    epoch: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
 
 
 default_message_pool.register_message("llmgw.v1", "StopShard", StopShard)
@@ -690,6 +988,50 @@ class EndpointServiceStub(betterproto2_grpclib.ServiceStub):
         ):
             yield response
 
+    async def watch_load(
+        self,
+        message: "WatchRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "AsyncIterator[LoadUpdate]":
+        """
+        The engines' load and cache figures, apart from the snapshots: a load change never
+        bumps the snapshot version. Coalesced to a few updates a second.
+        """
+
+        async for response in self._unary_stream(
+            "/llmgw.v1.EndpointService/WatchLoad",
+            message,
+            LoadUpdate,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        ):
+            yield response
+
+    async def report_demand(
+        self,
+        message: "DemandRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "DemandReply":
+        """
+        A router holds requests for a declared model that has no replica and says so here.
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.EndpointService/ReportDemand",
+            message,
+            DemandReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 from ...google import protobuf as __google__protobuf__
 
@@ -739,6 +1081,22 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
         yield EndpointSnapshot()
 
+    async def watch_load(self, message: "WatchRequest") -> "AsyncIterator[LoadUpdate]":
+        """
+        The engines' load and cache figures, apart from the snapshots: a load change never
+        bumps the snapshot version. Coalesced to a few updates a second.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+        yield LoadUpdate()
+
+    async def report_demand(self, message: "DemandRequest") -> "DemandReply":
+        """
+        A router holds requests for a declared model that has no replica and says so here.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_watch(
         self, stream: "grpclib.server.Stream[WatchRequest, EndpointSnapshot]"
     ) -> None:
@@ -750,6 +1108,25 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
             request,
         )
 
+    async def __rpc_watch_load(
+        self, stream: "grpclib.server.Stream[WatchRequest, LoadUpdate]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await self._call_rpc_handler_server_stream(
+            self.watch_load,
+            stream,
+            request,
+        )
+
+    async def __rpc_report_demand(
+        self, stream: "grpclib.server.Stream[DemandRequest, DemandReply]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_demand(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.EndpointService/Watch": grpclib.const.Handler(
@@ -757,5 +1134,17 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 WatchRequest,
                 EndpointSnapshot,
+            ),
+            "/llmgw.v1.EndpointService/WatchLoad": grpclib.const.Handler(
+                self.__rpc_watch_load,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                WatchRequest,
+                LoadUpdate,
+            ),
+            "/llmgw.v1.EndpointService/ReportDemand": grpclib.const.Handler(
+                self.__rpc_report_demand,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                DemandRequest,
+                DemandReply,
             ),
         }
