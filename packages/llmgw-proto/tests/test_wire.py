@@ -34,6 +34,8 @@ SCALARS: dict[int, st.SearchStrategy[Any]] = {
     FD.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
     FD.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
     FD.TYPE_DOUBLE: st.floats(allow_nan=False, allow_infinity=False),
+    # betterproto2 treats -0.0 as the default and drops it, as proto3 allows.
+    FD.TYPE_FLOAT: st.floats(width=32, allow_nan=False, allow_infinity=False).map(abs),
 }
 
 
@@ -143,7 +145,8 @@ MESSAGE_NAMES = [
     "AgentMessage", "ControlMessage", "Register", "Inventory", "Gpu", "Host", "NetworkInterface",
     "RunningShard", "Heartbeat", "GpuUsage", "ShardStatus", "CommandResult", "RegisterAck",
     "StartShard", "MultiNode", "StopShard", "DrainShard", "WatchRequest", "EndpointSnapshot",
-    "Endpoint",
+    "Endpoint", "EngineInfo", "LoadReport", "EngineLoad", "CacheEvents", "DeclaredModel",
+    "LoadUpdate", "EndpointLoad", "EndpointCache", "DemandRequest", "DemandReply",
 ]  # fmt: skip
 
 
