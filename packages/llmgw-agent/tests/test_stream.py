@@ -25,10 +25,12 @@ from llmgw_agent.stream import ControlLink, Outbox
 from llmgw_agent.supervisor import process_start_ticks
 from llmgw_proto import v1
 from llmgw_proto.backoff import Backoff, exponential
-from llmgw_proto.tls import peer_common_name, server_context
+from llmgw_proto.tls import PeerIdentity, peer_identity, server_context
 from llmgw_testkit import free_port, wait_for_async
 
 S = v1.ShardState
+
+_NONE = PeerIdentity(role="", name="")  # no certificate: compares unequal to any name
 
 
 async def until(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
@@ -428,7 +430,7 @@ async def test_mutual_tls(
             [register] = await until(control.registers, "Register over mTLS")
             assert register.node_id == "node-a"
             # The control plane sees the node's certificate: the hook for identity checks.
-            assert peer_common_name(control.peer_certs[0]) == "node-a"
+            assert (peer_identity(control.peer_certs[0]) or _NONE).name == "node-a"
             first_serial = control.peer_certs[0]["serialNumber"]
 
             # Rotate the node's certificate in place (same CA, new key and serial);
@@ -449,7 +451,7 @@ async def test_mutual_tls(
             await control.stop()
             await control.start(_server_for(certs))
             await until(lambda: control.registers()[1:], "Register after the rotation")
-            assert peer_common_name(control.peer_certs[-1]) == "node-a"
+            assert (peer_identity(control.peer_certs[-1]) or _NONE).name == "node-a"
             assert control.peer_certs[-1]["serialNumber"] != first_serial
     finally:
         await control.stop()

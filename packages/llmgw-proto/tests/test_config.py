@@ -1,7 +1,8 @@
 from __future__ import annotations
 
+import enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import pytest
@@ -65,7 +66,48 @@ def test_error_names_file_and_field_with_dict_keys(tmp_path: Path) -> None:
 
 def test_unknown_field_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path, "c.yaml", "models: []\nintervall: 5s\n")
-    assert error_of(path) == f"{path}: $: Object contains unknown field `intervall`"
+    assert error_of(path) == (
+        f"{path}: $: Object contains unknown field `intervall`: did you mean `interval`?"
+    )
+
+
+def test_unknown_field_inside_a_dict_value_suggests_the_nearest(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "c.yaml", "models:\n  - name: m\n    profiles:\n      fast: {gpus_per_nod: 2}\n"
+    )
+    assert error_of(path) == (
+        f"{path}: $.models[0].profiles.fast: Object contains unknown field `gpus_per_nod`: "
+        "did you mean `gpus_per_node`?"
+    )
+
+
+def test_unknown_field_far_from_any_lists_the_known_ones(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "models:\n  - name: m\n    profiles: {}\n    zzz: 1\n")
+    assert error_of(path).endswith("unknown field `zzz`: known fields are name, profiles")
+
+
+class Engine(enum.Enum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class WithEnum(BaseConfig):
+    engine: Engine = Engine.VLLM
+    mode: Literal["fast", "slow"] = "fast"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("engine: vLLM\n", "$.engine: Invalid enum value 'vLLM': expected one of 'vllm', 'sglang'"),
+        ("mode: quick\n", "$.mode: Invalid enum value 'quick': expected one of 'fast', 'slow'"),
+    ],
+)
+def test_a_bad_enum_value_lists_the_valid_ones(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, "c.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load(path, WithEnum)
+    assert str(info.value) == f"{path}: {expected}"
 
 
 def test_wrong_type_and_bad_duration(tmp_path: Path) -> None:

@@ -158,11 +158,90 @@ def _replace_at(data: object, named_path: str, value: object) -> object:
     return root
 
 
+_PATH_PART = re.compile(r"\.([A-Za-z_][\w-]*)|\[(\d+)\]|\[\.\.\.\]|\[('(?:[^'\\]|\\.)*')\]")
+
+
+def _type_at(type_: type[Any], path: str) -> msgspec.inspect.Type | None:
+    """The msgspec type found at a JSON path of a config type, or None where unsure."""
+    node: msgspec.inspect.Type = msgspec.inspect.type_info(type_)
+    rest = path[1:]
+    while True:
+        while isinstance(node, msgspec.inspect.UnionType):
+            inner: list[msgspec.inspect.Type] = [
+                t for t in node.types if not isinstance(t, msgspec.inspect.NoneType)
+            ]
+            if len(inner) != 1:
+                containers: list[msgspec.inspect.Type] = [
+                    t
+                    for t in inner
+                    if isinstance(
+                        t,
+                        msgspec.inspect.StructType
+                        | msgspec.inspect.DictType
+                        | msgspec.inspect.ListType,
+                    )
+                ]
+                if len(containers) != 1:
+                    return node if not rest else None
+                inner = containers
+            node = inner[0]
+        if isinstance(node, msgspec.inspect.Metadata):
+            node = node.type
+            continue
+        if not rest:
+            return node
+        match = _PATH_PART.match(rest)
+        if match is None:
+            return None
+        rest = rest[len(match.group(0)) :]
+        if match.group(1) is not None:
+            if not isinstance(node, msgspec.inspect.StructType):
+                return None
+            fields = {f.encode_name: f.type for f in node.fields}
+            if match.group(1) not in fields:
+                return None
+            node = fields[match.group(1)]
+        elif isinstance(node, msgspec.inspect.ListType | msgspec.inspect.SetType):
+            node = node.item_type
+        elif isinstance(node, msgspec.inspect.DictType):
+            node = node.value_type
+        else:
+            return None
+
+
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
+
+
+def _helpful(message: str, type_: type[Any], path: str) -> str:
+    """Say what would have been valid: the enum's values, the nearest field name."""
+    import difflib
+
+    if message.startswith("Invalid enum value"):
+        found = _type_at(type_, path)
+        values: list[str] = []
+        if isinstance(found, msgspec.inspect.EnumType):
+            values = [str(m.value) for m in found.cls]
+        elif isinstance(found, msgspec.inspect.LiteralType):
+            values = [str(v) for v in found.values]
+        if values:
+            return f"{message}: expected one of {', '.join(repr(v) for v in values)}"
+    unknown = _UNKNOWN.match(message)
+    if unknown:
+        found = _type_at(type_, path)
+        if isinstance(found, msgspec.inspect.StructType):
+            names = [f.encode_name for f in found.fields]
+            close = difflib.get_close_matches(unknown.group("name"), names, n=1, cutoff=0.6)
+            if close:
+                return f"{message}: did you mean `{close[0]}`?"
+            return f"{message}: known fields are {', '.join(names)}"
+    return message
+
+
 def convert(data: object, type_: type[T], *, source: str) -> T:
     """Turn already-parsed data into ``type_``, or raise a located :class:`ConfigError`."""
     value, message, path = _convert(data, type_)
     if value is None:
-        raise ConfigError(source, message, _name_keys(data, type_, path))
+        raise ConfigError(source, _helpful(message, type_, path), _name_keys(data, type_, path))
     return value
 
 

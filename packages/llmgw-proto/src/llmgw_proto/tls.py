@@ -12,18 +12,59 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import structlog
+
+from llmgw_proto.config import BaseConfig, ConfigError
 
 log = structlog.get_logger(__name__)
 
 __all__ = [
     "CertReloader",
     "PeerIdentity",
+    "TlsConfig",
     "client_context",
-    "peer_common_name",
     "peer_identity",
     "server_context",
 ]
+
+
+class TlsConfig(BaseConfig):
+    """The ``tls:`` section every program has: its certificate, key and the llmgw CA.
+
+    Plaintext must be asked for, here or with ``--insecure``; otherwise all three files
+    are required and must exist.
+    """
+
+    insecure: bool = False
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    def with_insecure_flag(self, flag: bool) -> TlsConfig:
+        """The one way ``--insecure`` applies: it turns plaintext on, never off."""
+        return msgspec.structs.replace(self, insecure=True) if flag else self
+
+    def check(self, source: str, field: str) -> None:
+        """Raise a ConfigError naming ``source``, ``field.cert`` (etc.) and the missing path."""
+        if self.insecure:
+            return
+        for name in ("cert", "key", "ca"):
+            value = getattr(self, name)
+            if not value:
+                raise ConfigError(
+                    source,
+                    f"required unless {field.removeprefix('$.')}.insecure is true "
+                    "(or --insecure is given)",
+                    f"{field}.{name}",
+                )
+            path = Path(value)
+            if not path.is_file():
+                why = "is a directory" if path.is_dir() else "no such file"
+                raise ConfigError(source, f"{why}: {value}", f"{field}.{name}")
+
+    def files(self) -> tuple[Path, Path, Path]:
+        return Path(self.cert), Path(self.key), Path(self.ca)
 
 
 def server_context(
@@ -43,18 +84,6 @@ def client_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
     ctx.load_cert_chain(str(cert), str(key))
     ctx.set_alpn_protocols(["h2"])
     return ctx
-
-
-def peer_common_name(peer_cert: dict[str, object] | None) -> str | None:
-    """The subject common name of a certificate as ``SSLSocket.getpeercert()`` gives it."""
-    if not peer_cert:
-        return None
-    subject = peer_cert.get("subject", ())
-    for rdn in subject:  # type: ignore[attr-defined]
-        for attr, value in rdn:
-            if attr == "commonName":
-                return str(value)
-    return None
 
 
 @dataclass(frozen=True)
