@@ -29,6 +29,42 @@ TEST_REQUIREMENTS = "tools/test-requirements.txt"
 UNIT_TESTS = [f"packages/{p}/tests" for p in PACKAGES] + ["tools/llmgw-sim/tests"]
 
 
+# Real infrastructure the integration tests start themselves, by the binary they run and
+# the Debian package that has it. On a Debian machine as root (CI) a missing one is
+# installed; elsewhere the session stops and names the packages to install.
+SYSTEM_PACKAGES = {
+    "etcd": "etcd-server",
+    "/usr/lib/postgresql": "postgresql",
+    "chromium": "chromium",
+    "systemd-analyze": "systemd",
+}
+
+
+def system_packages(session: nox.Session, wanted: dict[str, str] = SYSTEM_PACKAGES) -> None:
+    """Make sure the Debian packages the tests need are installed."""
+    import os
+    import shutil
+
+    def present(what: str) -> bool:
+        return Path(what).exists() if what.startswith("/") else shutil.which(what) is not None
+
+    missing = sorted({pkg for what, pkg in wanted.items() if not present(what)})
+    if not missing:
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        session.error(
+            f"the tests need the Debian packages {' '.join(missing)}: "
+            f"install them (apt-get install {' '.join(missing)}) and run again"
+        )
+    session.log(f"installing Debian packages the tests start: {' '.join(missing)}")
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-qq", external=True, env=env)
+    session.run(
+        "apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing,
+        external=True, env=env,
+    )  # fmt: skip
+
+
 def install_everything(session: nox.Session) -> None:
     """All four wheels and the tools, editable, with the test requirements."""
     editable = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
