@@ -16,7 +16,9 @@ import pytest
 from llmgw_agent.adapters import LLAMACPP, build_launch
 from llmgw_proto import v1
 
-HELP = (Path(__file__).parent / "data" / "llama-server-b11434-help.txt").read_text()
+HELP = (
+    Path(__file__).parents[1] / "src" / "llmgw_agent" / "engine_help" / "llama-server-b11434.txt"
+).read_text()
 # Options that print something and exit: never part of a serving profile.
 EXITS = {"-h", "--help", "--usage", "--completion-bash", "-cl", "--cache-list"}
 _NAME = r"(?:^|[\s,])(--?[A-Za-z][\w.-]*)"
