@@ -9,9 +9,11 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_control.catalog import parse_bytes
-from llmgw_control.config import load_control_config
-from llmgw_proto.config import ConfigError
+from llmgw_control.catalog import build_catalog
+from llmgw_control.config import ControlConfig, load_control_config
+from llmgw_control.inventory import GpuSlot, NodeState
+from llmgw_control.placement import Demand, NodeView
+from llmgw_proto.config import ConfigError, convert
 
 
 def write(tmp_path: Path, data: dict[str, Any]) -> Path:
@@ -58,9 +60,18 @@ def test_defaults_and_resolved_profile(tmp_path: Path) -> None:
     assert profile.min_memory_bytes == 40 * 2**30
     assert profile.load_timeout == 300.0
     assert profile.engine_args == ("--max-model-len", "4096")
-    assert profile.gpu_fits("NVIDIA H100 80GB HBM3", 80 * 2**30)
-    assert not profile.gpu_fits("NVIDIA A10", 80 * 2**30)
-    assert not profile.gpu_fits("NVIDIA H100 PCIe", 20 * 2**30)
+    # The profile's GPU constraint, as placement applies it (one place, NodeView.eligible).
+    demand = Demand.of(profile)
+    node = NodeView(
+        "n",
+        NodeState.READY,
+        (
+            GpuSlot(0, "NVIDIA H100 80GB HBM3", 80 * 2**30),
+            GpuSlot(1, "NVIDIA A10", 80 * 2**30),
+            GpuSlot(2, "NVIDIA H100 PCIe", 20 * 2**30),
+        ),
+    )
+    assert node.eligible(demand.gpu_name, demand.min_memory_bytes) == (0,)
 
 
 def test_model_without_profiles_points_at_static_endpoints(tmp_path: Path) -> None:
@@ -80,7 +91,7 @@ def test_model_without_profiles_points_at_static_endpoints(tmp_path: Path) -> No
         ({"engine": "tgi"}, "$.models[0].profiles.p.engine", "Invalid enum value"),
         ({"engine": "vllm", "gpus_per_node": -1}, "profiles.p.gpus_per_node", ">= 0"),
         ({"engine": "vllm", "nodes": 0}, "profiles.p.nodes", ">= 1"),
-        ({"engine": "vllm", "gpu": {"min_memory": "lots"}}, "profiles.p.gpu.min_memory", "40GiB"),
+        ({"engine": "vllm", "gpu": {"min_memory": "lots"}}, "profiles.p.gpu.min_memory", "like `80GiB`"),
         ({"engine": "vllm", "gpus_per_node": 0, "gpu": {"name": "H100*"}}, "p.gpu", "CPU-only"),
         ({"engine": "vllm", "cpu_threads": 4}, "profiles.p.cpu_threads", "CPU-only"),
         ({"engine": "vllm", "same_label": "fabric.x"}, "profiles.p.same_label", "multi-node"),
@@ -137,8 +148,33 @@ def test_listen_must_be_host_port(tmp_path: Path) -> None:
     assert "$.listen: expected HOST:PORT" in error_of(tmp_path, {"listen": "7070"})
 
 
-@given(st.integers(min_value=0, max_value=2**20), st.sampled_from(["", "B", "MiB", "GiB", "GB"]))
-def test_parse_bytes_units(number: int, unit: str) -> None:
-    factor = {"": 1, "B": 1, "MiB": 2**20, "GiB": 2**30, "GB": 10**9}[unit]
-    assert parse_bytes(f"{number}{unit}") == number * factor
-    assert parse_bytes(number) == number
+UNITS = {"": 1, "B": 1, "MiB": 2**20, "GiB": 2**30, "Gi": 2**30, "GB": 10**9, "G": 10**9}
+
+
+@given(st.integers(min_value=0, max_value=2**20), st.sampled_from(sorted(UNITS)))
+def test_min_memory_units(number: int, unit: str) -> None:
+    """min_memory takes llmgw_proto.sizes' grammar, the agent's: 80G and 80Gi too."""
+    for given_as in (f"{number}{unit}", number * UNITS[unit]):
+        config = {
+            "models": [
+                {
+                    "name": "m",
+                    "profiles": {"p": {"engine": "vllm", "gpu": {"min_memory": given_as}}},
+                }
+            ]
+        }
+        (profile,) = build_catalog(convert(config, ControlConfig, source="x").models, "x").profiles
+        assert profile.min_memory_bytes == number * UNITS[unit]
+
+
+def test_min_memory_refusal_names_the_field(tmp_path: Path) -> None:
+    message = error_of(
+        tmp_path,
+        {
+            "models": [
+                {"name": "m", "profiles": {"p": {"engine": "vllm", "gpu": {"min_memory": "lots"}}}}
+            ]
+        },
+    )
+    assert "$.models[0].profiles.p.gpu.min_memory: " in message
+    assert "'lots'" in message

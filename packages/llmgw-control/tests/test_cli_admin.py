@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
+from llmgw_control.admin import AdminServer
 from llmgw_control.cli import main
 from llmgw_control.metrics import Metrics
-from llmgw_control.status import AdminServer
 from llmgw_testkit import free_port
 
 
@@ -29,13 +29,20 @@ def test_serve_refuses_bad_config_with_file_and_field(tmp_path: Path) -> None:
 
 def test_serve_needs_certificates_unless_insecure(tmp_path: Path) -> None:
     config = tmp_path / "control.yaml"
-    config.write_text("tls: {cert: control.crt}\n")
+    (tmp_path / "control.crt").write_text("x")
+    config.write_text(f"tls: {{cert: '{tmp_path / 'control.crt'}'}}\n")
     result = CliRunner().invoke(main, ["serve", "--config", str(config)])
     assert result.exit_code == 2
+    # llmgw_proto.tls's shared rule names the first missing field, and the path.
     assert (
-        f"{config}: $.tls: key, ca required unless tls.insecure is true or --insecure is given"
+        f"{config}: $.tls.key: required unless tls.insecure is true (or --insecure is given)"
         in result.output
     )
+    cert, key = tmp_path / "control.crt", tmp_path / "gone.key"
+    config.write_text(f"tls: {{cert: '{cert}', key: '{key}', ca: '{cert}'}}\n")
+    result = CliRunner().invoke(main, ["serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert f"{config}: $.tls.key: no such file: {key}" in result.output
 
 
 class Source:

@@ -7,6 +7,7 @@ import fnmatch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llmgw_control.inventory import NodeState
 from llmgw_control.placement import (
     Demand,
     GpuSlot,
@@ -16,6 +17,7 @@ from llmgw_control.placement import (
     Unplaceable,
     commit,
     place,
+    share_ports,
 )
 
 GiB = 2**30
@@ -28,7 +30,9 @@ def gpus(
     return tuple(GpuSlot(i, name, memory) for i in range(count))
 
 
-def node(node_id: str, count: int = 8, state: str = "READY", **kw: object) -> NodeView:
+def node(
+    node_id: str, count: int = 8, state: NodeState = NodeState.READY, **kw: object
+) -> NodeView:
     return NodeView(node_id, state, gpus(count), address="127.0.0.1", **kw)  # type: ignore[arg-type]
 
 
@@ -36,7 +40,7 @@ def test_issue_example_explanation() -> None:
     nodes = [
         node("gpu-a", 8, used_gpus={0, 1, 2, 3, 4, 5, 6, 7}),
         node("gpu-b", 8, used_gpus={0, 1, 2, 3, 4, 5}),
-        node("gpu-c", 8, state="LOST"),
+        node("gpu-c", 8, state=NodeState.LOST),
     ]
     result = place(Demand(gpus_per_node=4), nodes, PORTS)
     assert isinstance(result, Unplaceable)
@@ -49,12 +53,18 @@ def test_issue_example_explanation() -> None:
 
 def test_constraint_explanations() -> None:
     nodes = [
-        NodeView("a10", "READY", gpus(2, "NVIDIA A10", 24 * GiB), address="10.0.0.1"),
-        NodeView("h100-small", "READY", gpus(2, "NVIDIA H100 PCIe", 40 * GiB), address="10.0.0.2"),
-        NodeView("h100", "UNREACHABLE", gpus(2), address="10.0.0.3"),
-        NodeView("noaddr", "READY", gpus(2), address=""),
+        NodeView("a10", NodeState.READY, gpus(2, "NVIDIA A10", 24 * GiB), address="10.0.0.1"),
         NodeView(
-            "busy", "READY", gpus(2), address="10.0.0.4", used_ports={20000, 20001, 20002, 20003}
+            "h100-small", NodeState.READY, gpus(2, "NVIDIA H100 PCIe", 40 * GiB), address="10.0.0.2"
+        ),
+        NodeView("h100", NodeState.UNREACHABLE, gpus(2), address="10.0.0.3"),
+        NodeView("noaddr", NodeState.READY, gpus(2), address=""),
+        NodeView(
+            "busy",
+            NodeState.READY,
+            gpus(2),
+            address="10.0.0.4",
+            used_ports={20000, 20001, 20002, 20003},
         ),
     ]
     result = place(
@@ -109,7 +119,9 @@ def test_multi_node_shares_label_and_gets_rendezvous_port() -> None:
 
 
 def test_cpu_only_needs_no_gpus_and_no_nodes_is_explained() -> None:
-    result = place(Demand(gpus_per_node=0), [NodeView("cpu", "READY", address="::1")], PORTS)
+    result = place(
+        Demand(gpus_per_node=0), [NodeView("cpu", NodeState.READY, address="::1")], PORTS
+    )
     assert isinstance(result, Placement)
     assert result.shards[0].gpu_indices == ()
     empty = place(Demand(), [], PORTS)
@@ -133,7 +145,7 @@ def node_views(draw: st.DrawFn, node_id: str) -> NodeView:
     labels = draw(st.sampled_from([{}, {LABEL: "a"}, {LABEL: "b"}]))
     return NodeView(
         node_id,
-        draw(st.sampled_from(["READY", "READY", "READY", "UNREACHABLE", "LOST"])),
+        draw(st.sampled_from([NodeState.READY] * 3 + [NodeState.UNREACHABLE, NodeState.LOST])),
         slots,
         labels=labels,
         address=draw(st.sampled_from(["10.0.0.9", "10.0.0.9", ""])),
@@ -145,7 +157,10 @@ def node_views(draw: st.DrawFn, node_id: str) -> NodeView:
 @st.composite
 def fleets(draw: st.DrawFn) -> list[NodeView]:
     n = draw(st.integers(0, 7))
-    return [draw(node_views(f"n{i}")) for i in range(n)]
+    views = [draw(node_views(f"n{i}")) for i in range(n)]
+    # As the reconciler builds them: nodes behind one address share its ports.
+    share_ports(views)
+    return views
 
 
 demands = st.builds(
@@ -162,7 +177,7 @@ demands = st.builds(
 
 def can_host(n: NodeView, d: Demand) -> bool:
     """An independent, brute-force statement of what a node must offer."""
-    if n.state != "READY" or not n.address:
+    if n.state != NodeState.READY or not n.address:
         return False
     if d.same_label and d.same_label not in n.labels:
         return False
@@ -189,6 +204,12 @@ def test_a_placement_that_exists_is_found(nodes: list[NodeView], demand: Demand)
         groups[key] = groups.get(key, 0) + 1
     exists = any(count >= demand.nodes for count in groups.values())
     result = place(demand, nodes, PORTS)
+    if exists and isinstance(result, Unplaceable):
+        # Nodes that each have a free port may share one address with too few for all.
+        assert demand.nodes > 1, result
+        assert " share " in result.explanation, result
+        assert result.fit >= demand.nodes
+        return
     assert isinstance(result, Placement) == exists, result
 
 
@@ -209,7 +230,8 @@ def test_explanations_account_for_every_node(nodes: list[NodeView], demand: Dema
 def test_no_gpu_or_port_is_given_twice(nodes: list[NodeView], wanted: list[Demand]) -> None:
     by_id = {n.node_id: n for n in nodes}
     taken_gpus = {n.node_id: set(n.used_gpus) for n in nodes}
-    taken_ports = {n.node_id: set(n.used_ports) for n in nodes}
+    # Ports belong to an address: unique across every node behind it.
+    taken_ports = {n.address: set(n.used_ports) for n in nodes}
     for demand in wanted:
         result = place(demand, nodes, PORTS)
         if not isinstance(result, Placement):
@@ -220,14 +242,67 @@ def test_no_gpu_or_port_is_given_twice(nodes: list[NodeView], wanted: list[Deman
         for shard in result.shards:
             assert len(shard.gpu_indices) == demand.gpus_per_node
             assert taken_gpus[shard.node_id].isdisjoint(shard.gpu_indices)
-            assert shard.port not in taken_ports[shard.node_id]
+            assert shard.port not in taken_ports[shard.address]
             assert PORTS[0] <= shard.port <= PORTS[1]
             taken_gpus[shard.node_id].update(shard.gpu_indices)
-            taken_ports[shard.node_id].add(shard.port)
+            taken_ports[shard.address].add(shard.port)
         if result.rendezvous_port:
-            assert result.rendezvous_port not in taken_ports[result.leader.node_id]
-            taken_ports[result.leader.node_id].add(result.rendezvous_port)
+            assert result.rendezvous_port not in taken_ports[result.leader.address]
+            taken_ports[result.leader.address].add(result.rendezvous_port)
         commit(result, by_id)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(2, 6),
+    st.lists(st.sampled_from(["10.0.0.1", "10.0.0.2"]), min_size=6, max_size=6),
+    st.lists(st.integers(1, 3), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_ports_are_unique_per_address_within_one_pass(
+    count: int, addresses: list[str], sizes: list[int], indexed: bool
+) -> None:
+    """Issue 13.1: shards of one multi-node replica on nodes behind one address (agents
+    on one host, one NAT address) never get the same port, nor do shards placed later in
+    the same pass, whichever path (place, or the indexed Placer) places them."""
+    nodes = [
+        NodeView(f"n{i}", NodeState.READY, gpus(2), address=addresses[i]) for i in range(count)
+    ]
+    share_ports(nodes)
+    by_id = {n.node_id: n for n in nodes}
+    placer = Placer(nodes, (20000, 20009))
+    given_out: dict[str, list[int]] = {}
+    for size in sizes:
+        demand = Demand(gpus_per_node=1, nodes=size)
+        if indexed:
+            result = placer.place(demand)
+        else:
+            result = place(demand, nodes, (20000, 20009))
+            if isinstance(result, Placement):
+                commit(result, by_id)
+        if not isinstance(result, Placement):
+            continue
+        for shard in result.shards:
+            given_out.setdefault(shard.address, []).append(shard.port)
+        if result.rendezvous_port:
+            given_out.setdefault(result.leader.address, []).append(result.rendezvous_port)
+    for address, ports in given_out.items():
+        assert len(ports) == len(set(ports)), (address, sorted(ports))
+
+
+def test_two_shards_behind_one_address_get_two_ports() -> None:
+    a = NodeView("a", NodeState.READY, gpus(1), address="10.0.0.1")
+    b = NodeView("b", NodeState.READY, gpus(1), address="10.0.0.1")
+    share_ports([a, b])
+    result = place(Demand(gpus_per_node=1, nodes=2), [a, b], (20000, 20009))
+    assert isinstance(result, Placement)
+    ports = [s.port for s in result.shards] + [result.rendezvous_port]
+    assert sorted(ports) == [20000, 20001, 20002]
+    # Each node has a free port, but their one address has too few for both shards.
+    a.used_ports.update(range(20000, 20008))
+    short = place(Demand(gpus_per_node=1, nodes=2), [a, b], (20000, 20009))
+    assert isinstance(short, Unplaceable)
+    assert "share 10.0.0.1" in short.explanation
 
 
 @settings(max_examples=100, deadline=None)

@@ -8,13 +8,13 @@ say, naming the file and field like every other config error.
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import msgspec
 from llmgw_proto.config import BaseConfig, ConfigError, Duration
+from llmgw_proto.sizes import parse_size
 
 __all__ = [
     "Catalog",
@@ -23,7 +23,6 @@ __all__ = [
     "ProfileConfig",
     "ProfileSpec",
     "build_catalog",
-    "parse_bytes",
 ]
 
 EngineName = Literal["vllm", "sglang", "llamacpp"]
@@ -34,7 +33,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 class GpuConstraint(BaseConfig):
     # A shell-style pattern on the NVML name, e.g. "NVIDIA H100*".
     name: str = "*"
-    # "40GiB", "80GB", "24576MiB" or bytes; "" means any.
+    # "40GiB", "40Gi", "80GB", "80G", "24576MiB" or bytes (llmgw_proto.sizes); "" means any.
     min_memory: str | int = ""
 
 
@@ -84,9 +83,6 @@ class ProfileSpec:
     def key(self) -> tuple[str, str]:
         return (self.model, self.name)
 
-    def gpu_fits(self, name: str, memory_bytes: int) -> bool:
-        return memory_bytes >= self.min_memory_bytes and fnmatch.fnmatchcase(name, self.gpu_name)
-
 
 @dataclass(frozen=True)
 class Catalog:
@@ -106,36 +102,6 @@ class Catalog:
 
     def of_model(self, model: str) -> list[ProfileSpec]:
         return [p for p in self.profiles if p.model == model]
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: str | int) -> int:
-    """Bytes from ``40GiB``, ``80GB``, ``512MiB`` or a plain number; ``""`` is 0."""
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("a memory size must be >= 0")
-        return value
-    if value.strip() == "":
-        return 0
-    match = _SIZE.match(value)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"expected a memory size like `40GiB` or `80GB`, got {value!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 # Names become parts of replica and shard ids and of metric labels: keep them plain.
@@ -213,7 +179,8 @@ def _check_profile(
                 f"{where}.env.{key}",
             )
     try:
-        min_memory = parse_bytes(profile.gpu.min_memory)
+        raw = profile.gpu.min_memory
+        min_memory = 0 if isinstance(raw, str) and not raw.strip() else parse_size(raw)
     except ValueError as err:
         raise ConfigError(source, str(err), f"{where}.gpu.min_memory") from None
     if profile.gpus_per_node == 0:

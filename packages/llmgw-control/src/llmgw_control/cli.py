@@ -20,6 +20,7 @@ from llmgw_proto.config import ConfigError
 from llmgw_proto.tls import CertReloader, server_context
 
 from llmgw_control import __version__
+from llmgw_control.admin import AdminServer
 from llmgw_control.config import (
     ControlConfig,
     Loaded,
@@ -29,7 +30,6 @@ from llmgw_control.config import (
     tls_problem,
 )
 from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
-from llmgw_control.status import AdminServer
 from llmgw_control.tls_gate import GatedServer
 
 log = structlog.get_logger("llmgw_control")
@@ -68,7 +68,9 @@ def serve(config_path: Path, insecure: bool) -> None:
     if problem is not None:
         fail(str(problem))
     try:
-        asyncio.run(_serve(loaded, config_path, insecure or loaded.config.tls.insecure))
+        asyncio.run(
+            _serve(loaded, config_path, loaded.config.tls.with_insecure_flag(insecure).insecure)
+        )
     except OSError as err:
         fail(f"cannot serve: {err}", code=1)
 

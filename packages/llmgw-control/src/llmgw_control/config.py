@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
+from llmgw_proto.addr import HostPort, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
+from llmgw_proto.tls import TlsConfig
 
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 
@@ -35,13 +37,6 @@ __all__ = [
 ]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-
-
-class TlsConfig(BaseConfig):
-    insecure: bool = False
-    cert: str = ""
-    key: str = ""
-    ca: str = ""
 
 
 class ControlSettings(BaseConfig):
@@ -81,12 +76,9 @@ class Loaded:
     catalog: Catalog
 
 
-def split_hostport(value: str) -> tuple[str, int]:
-    """``"0.0.0.0:7070"`` or ``"[::1]:7070"`` into host and port; ValueError otherwise."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+def split_hostport(value: str) -> HostPort:
+    """A listen address, by llmgw_proto.addr's one grammar; an empty host listens on all."""
+    return parse_hostport(value, default_host="0.0.0.0")
 
 
 def check(config: ControlConfig, source: str) -> Catalog:
@@ -132,14 +124,9 @@ def load_control_config(path: str | Path) -> Loaded:
 
 
 def tls_problem(config: ControlConfig, insecure_flag: bool, source: str) -> ConfigError | None:
-    """Without --insecure or tls.insecure, cert, key and ca are all required."""
-    if insecure_flag or config.tls.insecure:
-        return None
-    missing = [name for name in ("cert", "key", "ca") if not getattr(config.tls, name)]
-    if missing:
-        return ConfigError(
-            source,
-            f"{', '.join(missing)} required unless tls.insecure is true or --insecure is given",
-            "$.tls",
-        )
+    """llmgw_proto.tls's one rule: plaintext asked for, or cert, key and ca given and present."""
+    try:
+        config.tls.with_insecure_flag(insecure_flag).check(source, "$.tls")
+    except ConfigError as err:
+        return err
     return None

@@ -19,18 +19,17 @@ from typing import Any
 import structlog
 from llmgw_proto import v1
 
+from llmgw_control import status as status_view
 from llmgw_control.agent_service import AgentService, Session
 from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
-from llmgw_control.inventory import Inventory, Node, NodeState
+from llmgw_control.inventory import Inventory, NodeState
 from llmgw_control.metrics import Metrics
-from llmgw_control.placement import host_for_url
-from llmgw_control.publish import EndpointInfo, Publisher
+from llmgw_control.publish import EndpointInfo, Publisher, address_problem, engine_generation
 from llmgw_control.reconciler import (
     Command,
     ControlState,
     Drain,
-    Replica,
     Settings,
     Stop,
     reconcile,
@@ -94,10 +93,6 @@ async def watch_loop_lag(metrics: Metrics, every: float = 0.05) -> None:
         metrics.loop_lag.observe(max(loop.time() - asked - every, 0.0))
 
 
-def _iso(value: dt.datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
 class Controller:
     def __init__(self, loaded: Loaded) -> None:
         self.config: ControlConfig = loaded.config
@@ -124,6 +119,8 @@ class Controller:
         self._next_at = 0.0
         self._resync_at = 0.0
         self.ticks = 0
+        # replica id -> why routers may not reach its published URL (logged once each).
+        self.address_problems: dict[str, str] = {}
         self.metrics.count_fleet(self.node_counts, self.replica_counts)
 
     # --- agent events ---------------------------------------------------------------
@@ -298,7 +295,9 @@ class Controller:
     # --- what is published and shown ------------------------------------------------
 
     def endpoints(self) -> list[EndpointInfo]:
+        """The ready replicas as routers get them, each at the URL its agent reported."""
         out = []
+        problems: dict[str, str] = {}
         for r in self.state.replicas.values():
             if r.draining or not r.complete or not r.placed:
                 continue
@@ -313,10 +312,16 @@ class Controller:
             profile = self.catalog.get(r.model, r.profile)
             if profile is None:
                 continue
+            # The agent owns the address: it knows where its engine listens.
+            problem = address_problem(report.endpoint_url, node.peer_host, node.interfaces)
+            if problem is not None:
+                problems[r.replica_id] = f"{node.node_id}: {problem}"
+            if not report.endpoint_url:
+                continue
             out.append(
                 EndpointInfo(
                     id=r.replica_id,
-                    url=f"http://{host_for_url(leader.address)}:{leader.port}",
+                    url=report.endpoint_url,
                     served_model_names=profile.served_model_names,
                     model=r.model,
                     profile=r.profile,
@@ -325,8 +330,14 @@ class Controller:
                     labels=tuple(sorted(node.labels.items())),
                     replica_id=r.replica_id,
                     health_path=HEALTH_PATH,
+                    generation=engine_generation(leader.shard_id, report.pid),
+                    engine=profile.engine,
                 )
             )
+        for rid, text in problems.items():
+            if self.address_problems.get(rid) != text:
+                log.warning("endpoint address unreachable", replica_id=rid, problem=text)
+        self.address_problems = problems
         return out
 
     def node_counts(self) -> dict[str, int]:
@@ -343,139 +354,27 @@ class Controller:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def fleet(self) -> status_view.Fleet:
+        """What status shows, as of now."""
+        return status_view.Fleet(
+            catalog=self.catalog,
+            nodes=self.inventory.nodes,
+            state=self.state,
+            now=time.monotonic(),
+            mgmt_interface=self.settings.mgmt_interface,
+            started=self.started,
+            ticks=self.ticks,
+            publish_version=self.publisher.version,
+            streams=len(self.agents.sessions),
+            published={e.replica_id: e for e in self.publisher.endpoints},
+            address_problems=self.address_problems,
+        )
+
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
-        nodes = [
-            self._node_status(n)
-            for n in sorted(self.inventory.nodes.values(), key=lambda n: n.node_id)
-        ]
-        replicas = [
-            self._replica_status(r, now)
-            for r in sorted(
-                self.state.replicas.values(), key=lambda r: (r.model, r.profile, r.replica_id)
-            )
-        ]
-        return {
-            "started": _iso(self.started),
-            # Every wake-up of the loop; a tick with no new input and no deadline due
-            # decides "nothing to do" without running the pass; full_passes are those run.
-            "reconciles": self.ticks,
-            "full_passes": self.state.passes,
-            "publish_version": self.publisher.version,
-            "nodes": nodes,
-            "replicas": replicas,
-            "unplaceable": [
-                {k: x[k] for k in ("replica_id", "model", "profile", "explanation")}
-                for x in replicas
-                if x["state"] == "unplaced"
-            ],
-        }
+        return status_view.status(self.fleet())
 
     def summary(self) -> dict[str, Any]:
-        """Counts only: cheap enough to poll during a reconnect storm."""
-        now = time.monotonic()
-        nodes: dict[str, int] = {}
-        for n in self.inventory.nodes.values():
-            nodes[n.state.value] = nodes.get(n.state.value, 0) + 1
-        replicas: dict[str, int] = {}
-        for r in self.state.replicas.values():
-            state = replica_state(r, self.inventory.nodes, now)
-            replicas[state] = replicas.get(state, 0) + 1
-        return {
-            # Every wake-up of the loop; a tick with no new input and no deadline due
-            # decides "nothing to do" without running the pass; full_passes are those run.
-            "reconciles": self.ticks,
-            "full_passes": self.state.passes,
-            "publish_version": self.publisher.version,
-            "streams": len(self.agents.sessions),
-            "nodes": nodes,
-            "replicas": replicas,
-            "adopted": sum(1 for r in self.state.replicas.values() if r.adopted),
-        }
+        return status_view.summary(self.fleet())
 
     def explain(self, model: str) -> dict[str, Any] | None:
-        profiles = self.catalog.of_model(model)
-        known = {r.profile for r in self.state.replicas.values() if r.model == model}
-        if not profiles and not known:
-            return None
-        now = time.monotonic()
-        out = []
-        for name in [p.name for p in profiles] + sorted(known - {p.name for p in profiles}):
-            spec = self.catalog.get(model, name)
-            out.append(
-                {
-                    "profile": name,
-                    "wanted": spec.replicas if spec is not None else 0,
-                    "replicas": [
-                        self._replica_status(r, now)
-                        for r in sorted(self.state.replicas.values(), key=lambda r: r.replica_id)
-                        if r.model == model and r.profile == name
-                    ],
-                }
-            )
-        return {"model": model, "profiles": out}
-
-    def _node_status(self, n: Node) -> dict[str, Any]:
-        used = {
-            i
-            for r in self.state.replicas.values()
-            for p in r.shards
-            if p.node_id == n.node_id
-            for i in p.gpu_indices
-        }
-        return {
-            "node_id": n.node_id,
-            "state": n.state.value,
-            "connected": n.connected,
-            "address": n.address(self.settings.mgmt_interface),
-            "agent_version": n.agent_version,
-            "simulated": n.simulated,
-            "labels": n.labels,
-            "last_heartbeat": _iso(n.last_heartbeat_at),
-            "registered": _iso(n.registered_at),
-            "gpus": [
-                {
-                    "index": g.index,
-                    "name": g.name,
-                    "memory_bytes": g.memory_bytes,
-                    "in_use": g.index in used,
-                    "memory_used_bytes": n.gpu_usage.get(g.index, (0, 0))[0],
-                    "utilization_percent": n.gpu_usage.get(g.index, (0, 0))[1],
-                }
-                for g in n.gpus
-            ],
-            "shards": len([s for s in n.shards.values() if s.running]),
-        }
-
-    def _replica_status(self, r: Replica, now: float) -> dict[str, Any]:
-        shards = []
-        for p in r.shards:
-            node = self.inventory.nodes.get(p.node_id)
-            report = node.shards.get(p.shard_id) if node is not None else None
-            shards.append(
-                {
-                    "shard_id": p.shard_id,
-                    "node_id": p.node_id,
-                    "rank": p.rank,
-                    "gpu_indices": list(p.gpu_indices),
-                    "port": p.port,
-                    "state": v1.ShardState(report.state).name.lower() if report else "unknown",
-                    "pid": report.pid if report else 0,
-                }
-            )
-        leader = r.shards[0] if r.shards else None
-        return {
-            "replica_id": r.replica_id,
-            "model": r.model,
-            "profile": r.profile,
-            "state": replica_state(r, self.inventory.nodes, now),
-            "adopted": r.adopted,
-            "nodes": [p.node_id for p in r.shards],
-            "endpoint": f"http://{host_for_url(leader.address)}:{leader.port}" if leader else None,
-            "shards": shards,
-            "failures": r.failures,
-            "retry_in": round(max(r.retry_at - now, 0.0), 3),
-            "last_error": r.last_error,
-            "output_tail": r.last_output_tail,
-            "explanation": r.explanation,
-        }
+        return status_view.explain(self.fleet(), model)

@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 
 from llmgw_proto import v1
 
-from llmgw_control.placement import GpuSlot
-
-__all__ = ["Inventory", "Node", "NodeState", "ShardReport", "node_state"]
+__all__ = [
+    "EngineVersion",
+    "GpuSlot",
+    "Inventory",
+    "Node",
+    "NodeState",
+    "ShardReport",
+    "node_state",
+]
 
 # Shard states that hold GPUs and a port on the node.
 RUNNING = frozenset(
@@ -32,9 +38,30 @@ TERMINAL = frozenset({v1.ShardState.STOPPED, v1.ShardState.FAILED})
 
 
 class NodeState(enum.StrEnum):
+    """The one spelling of a node's state: inventory sets it, placement filters on it."""
+
     READY = "READY"
     UNREACHABLE = "UNREACHABLE"
     LOST = "LOST"
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """One GPU of a node, as its agent reported it."""
+
+    index: int
+    name: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineVersion:
+    """One engine installed on a node (Register.engines)."""
+
+    kind: str
+    version: str
+    executable: str = ""
+    error: str = ""
 
 
 def node_state(
@@ -96,6 +123,7 @@ class Node:
     shards: dict[str, ShardReport] = field(default_factory=dict)
     # index -> (memory used bytes, utilization percent), from the last heartbeat.
     gpu_usage: dict[int, tuple[int, int]] = field(default_factory=dict)
+    engines: tuple[EngineVersion, ...] = ()
 
     def address(self, mgmt_interface: str) -> str:
         """The endpoint address: the first address of ``mgmt_interface``, else the peer's."""
@@ -132,6 +160,10 @@ class Inventory:
             memory_bytes=host.memory_total_bytes,
             last_seen=now,
             registered_at=_now_utc(),
+            engines=tuple(
+                EngineVersion(v1.EngineKind(e.kind).name.lower(), e.version, e.executable, e.error)
+                for e in msg.engines
+            ),
         )
         for s in msg.shards:
             node.shards[s.shard_id] = ShardReport(

@@ -13,10 +13,13 @@ a person can act on:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
+from llmgw_proto.addr import format_hostport
+
 from llmgw_control.catalog import ProfileSpec
+from llmgw_control.inventory import GpuSlot, NodeState
 
 __all__ = [
     "Demand",
@@ -28,16 +31,8 @@ __all__ = [
     "Unplaceable",
     "commit",
     "place",
+    "share_ports",
 ]
-
-READY = "READY"
-
-
-@dataclass(frozen=True)
-class GpuSlot:
-    index: int
-    name: str
-    memory_bytes: int
 
 
 @dataclass
@@ -45,10 +40,12 @@ class NodeView:
     """What placement needs of a node; ``used_*`` includes everything already there."""
 
     node_id: str
-    state: str
+    state: NodeState
     gpus: tuple[GpuSlot, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
-    # The endpoint address from the management interface; "" when the node has none.
+    # The node's address on the management interface (else its stream's peer); "" when
+    # it has none. Ports belong to an address: views of one address share one
+    # ``used_ports`` set (see :func:`share_ports`).
     address: str = ""
     used_gpus: set[int] = field(default_factory=set)
     used_ports: set[int] = field(default_factory=set)
@@ -70,10 +67,12 @@ class NodeView:
             self._eligible[key] = found
         return found
 
-    def free_ports(self, lo: int, hi: int, count: int) -> list[int]:
+    def free_ports(
+        self, lo: int, hi: int, count: int, also_taken: Set[int] = frozenset()
+    ) -> list[int]:
         ports: list[int] = []
         for port in range(lo, hi + 1):
-            if port not in self.used_ports:
+            if port not in self.used_ports and port not in also_taken:
                 ports.append(port)
                 if len(ports) == count:
                     break
@@ -132,7 +131,7 @@ class Placement:
     def leader_address(self) -> str:
         if not self.rendezvous_port:
             return ""
-        return f"{host_for_url(self.leader.address)}:{self.rendezvous_port}"
+        return format_hostport(self.leader.address, self.rendezvous_port)
 
 
 @dataclass(frozen=True)
@@ -142,10 +141,6 @@ class Unplaceable:
     fit: int
     # How many nodes each filter removed, by filter name, in chain order.
     removed: Mapping[str, int]
-
-
-def host_for_url(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
 
 
 @dataclass
@@ -177,8 +172,8 @@ FILTERS = (
 
 def _filter(node: NodeView, demand: Demand, lo: int, hi: int) -> tuple[str, int] | tuple[None, int]:
     """The first filter that removes ``node`` and its near-miss value, or (None, free GPUs)."""
-    if node.state != READY:
-        return ("lost" if node.state == "LOST" else "unreachable"), 0
+    if node.state != NodeState.READY:
+        return ("lost" if node.state == NodeState.LOST else "unreachable"), 0
     if not node.address:
         return "address", 0
     free = 0
@@ -259,8 +254,16 @@ def place(
             removals.setdefault(reason, _Removal()).add(node.node_id, value)
 
     chosen = _choose(demand, fitting)
-    if chosen is not None:
-        placement = _assign(demand, chosen, lo, hi)
+    placement = _assign(demand, chosen, lo, hi) if chosen is not None else None
+    if chosen is not None and placement is None:
+        return Unplaceable(
+            f"{len(fitting)} of {total} nodes fit, but the {demand.nodes} chosen share "
+            f"{chosen[0].address} and its free ports in {lo}-{hi} are too few for all",
+            total,
+            len(fitting),
+            {"ports": demand.nodes},
+        )
+    if chosen is not None and placement is not None:
         return Placement(
             placement.shards,
             placement.rendezvous_port,
@@ -330,19 +333,41 @@ def _choose(demand: Demand, fitting: list[tuple[int, NodeView]]) -> list[NodeVie
     return None if best is None else best[2]
 
 
-def _assign(demand: Demand, chosen: Sequence[NodeView], lo: int, hi: int) -> Placement:
+def _assign(demand: Demand, chosen: Sequence[NodeView], lo: int, hi: int) -> Placement | None:
+    """GPUs and ports for each chosen node; None when nodes sharing an address run out.
+
+    Ports are unique per address across every shard, those of this placement too:
+    two shards on nodes behind one address (agents on one host, one NAT address)
+    must not both be handed the first free port before either is committed.
+    """
     shards: list[ShardSlot] = []
     rendezvous = 0
+    taken: dict[str, set[int]] = {}
     for rank, node in enumerate(chosen):
         eligible = node.eligible(demand.gpu_name, demand.min_memory_bytes)
         gpus = tuple([i for i in eligible if i not in node.used_gpus][: demand.gpus_per_node])
         if not demand.gpus_per_node:
             gpus = ()
-        ports = node.free_ports(lo, hi, demand.ports_per_node)
+        here = taken.setdefault(node.address, set())
+        need = demand.ports_per_node if rank == 0 else 1
+        ports = node.free_ports(lo, hi, need, here)
+        if len(ports) < need:
+            return None
+        here.update(ports)
         if rank == 0 and demand.nodes > 1:
             rendezvous = ports[1]
         shards.append(ShardSlot(node.node_id, rank, gpus, ports[0], node.address))
     return Placement(tuple(shards), rendezvous)
+
+
+def share_ports(views: Iterable[NodeView]) -> None:
+    """Give the views of one address one set of used ports (the union of theirs)."""
+    spaces: dict[str, set[int]] = {}
+    for view in views:
+        if view.address:
+            space = spaces.setdefault(view.address, set())
+            space.update(view.used_ports)
+            view.used_ports = space
 
 
 def commit(placement: Placement, nodes: Mapping[str, NodeView]) -> None:
@@ -358,10 +383,12 @@ def commit(placement: Placement, nodes: Mapping[str, NodeView]) -> None:
 class Placer:
     """Places many replicas over one fleet in a row, as a reconcile pass does.
 
-    Gives the same answers as :func:`place` (the reference, and the only source of
-    explanations) but keeps, per GPU constraint, the nodes bucketed by free GPUs,
-    so a single-node replica finds the fullest node that fits without a scan of
-    the whole fleet.
+    Chooses the same nodes as :func:`place` (the reference) but keeps, per GPU
+    constraint, the nodes bucketed by free GPUs, so a single-node replica finds the
+    fullest node that fits without a scan of the whole fleet. Explanations of what
+    does not fit always come from :func:`place`; a placement found through the index
+    says what the index knows ("N of M nodes have K or more free GPUs"), since
+    counting exactly what fits would be the scan the index avoids.
     """
 
     def __init__(self, nodes: Iterable[NodeView], port_range: tuple[int, int]) -> None:
@@ -402,7 +429,7 @@ class Placer:
         if buckets is None:
             buckets = {}
             for node in self.nodes.values():
-                if node.state == READY and node.address:
+                if node.state == NodeState.READY and node.address:
                     buckets.setdefault(self._free(node, key), set()).add(node.node_id)
             self._index[key] = buckets
         return buckets
@@ -411,7 +438,7 @@ class Placer:
         for key, buckets in self._index.items():
             for ids in buckets.values():
                 ids.discard(node.node_id)
-            if node.state == READY and node.address:
+            if node.state == NodeState.READY and node.address:
                 buckets.setdefault(self._free(node, key), set()).add(node.node_id)
 
     def _fast(self, demand: Demand) -> Placement | None:
@@ -432,6 +459,7 @@ class Placer:
             if chosen is not None:
                 node = self.nodes[chosen]
                 placement = _assign(demand, [node], lo, hi)
+                assert placement is not None  # one node, and _filter saw its free port
                 # Counting what fits exactly would mean the scan this index avoids.
                 roomy = sum(len(buckets[k]) for k in enough)
                 left = free - demand.gpus_per_node

@@ -2,15 +2,22 @@
 
 A subscriber gets the whole snapshot at once, then again after every change; a
 subscriber that falls behind gets only the newest (snapshots replace each other).
-Versions start from the wall clock in milliseconds so a restarted control plane
-never goes back below what a router already holds.
+Versions only grow while one control plane runs, and start from the wall clock in
+milliseconds, so a restarted control plane (or a new leader whose clock agrees)
+begins above what a router already holds. Nothing here relies on that across
+control planes: a router takes the first snapshot of every new stream whatever its
+version, and within one stream ignores an older one. Load figures travel on their
+own stream (:mod:`llmgw_control.loads`) and never bump the version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import ipaddress
 import time
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grpclib.const
@@ -22,7 +29,7 @@ from llmgw_proto.tls import peer_identity
 
 from llmgw_control.metrics import Metrics
 
-__all__ = ["EndpointInfo", "Publisher"]
+__all__ = ["EndpointInfo", "Publisher", "address_problem", "engine_generation"]
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +47,9 @@ class EndpointInfo(NamedTuple):
     labels: tuple[tuple[str, str], ...]
     replica_id: str
     health_path: str
+    # Changes whenever the engine process behind the endpoint changes.
+    generation: int = 0
+    engine: str = ""
 
     def message(self) -> v1.Endpoint:
         return v1.Endpoint(
@@ -53,7 +63,73 @@ class EndpointInfo(NamedTuple):
             labels=dict(self.labels),
             replica_id=self.replica_id,
             health_path=self.health_path,
+            generation=self.generation,
+            engine=_ENGINES.get(self.engine, v1.EngineKind.UNSPECIFIED),
         )
+
+
+_ENGINES = {
+    "vllm": v1.EngineKind.VLLM,
+    "sglang": v1.EngineKind.SGLANG,
+    "llamacpp": v1.EngineKind.LLAMACPP,
+}
+
+
+def engine_generation(shard_id: str, pid: int) -> int:
+    """A number that changes when the engine process changes, the same after a restart.
+
+    A retried shard gets a new id and a restarted engine a new pid; derived from both,
+    the generation a restarted control plane computes for an adopted engine is the one
+    routers already hold, so they keep what they learned of its cache.
+    """
+    digest = hashlib.blake2b(f"{shard_id}/{pid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+
+
+def address_problem(
+    url: str, peer_host: str, interfaces: Mapping[str, Sequence[str]]
+) -> str | None:
+    """Why routers may not reach an engine at ``url``, its agent's endpoint URL; None if fine.
+
+    Pure. The control plane publishes the agent's URL as it is; this only says, loudly,
+    when it cannot be right: a loopback URL from a node whose stream comes from
+    elsewhere (only that node can dial it), or an address that is neither one of the
+    node's interfaces nor the address its stream comes from (nothing listens there).
+    A host name cannot be checked and passes.
+    """
+    if not url:
+        return "its agent reported no endpoint URL: nothing is published for it"
+    host = urllib.parse.urlsplit(url).hostname or ""
+    ip = _ip(host)
+    if ip is None:
+        return None
+    peer = _ip(peer_host)
+    if ip.is_loopback:
+        if peer is not None and not peer.is_loopback:
+            return (
+                f"endpoint {url} is a loopback address, but the node's stream comes from "
+                f"{peer_host}: routers on other hosts cannot reach it (set the agent's "
+                "advertise_host, and engine_host to an address routers can dial)"
+            )
+        return None
+    own = {_ip(a.split("/")[0]) for addresses in interfaces.values() for a in addresses}
+    if ip in own or (peer is not None and ip == peer):
+        return None
+    if not own and peer is None:
+        return None  # nothing known to compare with
+    where = ", ".join(sorted({a.split("/")[0] for v in interfaces.values() for a in v})) or "none"
+    return (
+        f"endpoint {url}: {host} is not an address of the node (interfaces: {where}; "
+        f"stream from {peer_host or 'unknown'}), so nothing may listen there (check the "
+        "agent's advertise_host and engine_host)"
+    )
 
 
 class Publisher:

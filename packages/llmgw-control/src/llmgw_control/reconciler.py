@@ -12,6 +12,7 @@ that runs it lives in :mod:`llmgw_control.controller`.
 from __future__ import annotations
 
 import secrets
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -26,7 +27,7 @@ from llmgw_control.placement import (
     NodeView,
     Placement,
     Placer,
-    host_for_url,
+    share_ports,
 )
 
 __all__ = [
@@ -504,7 +505,7 @@ class _Pass:
         views = {
             n.node_id: NodeView(
                 n.node_id,
-                n.state.value,
+                n.state,
                 n.gpus,
                 n.labels,
                 n.address(self.s.mgmt_interface),
@@ -513,10 +514,7 @@ class _Pass:
         }
         # Ports belong to an address, not to a node: agents that share a host (or one
         # NAT address) share its ports, so their views share one set of used ports.
-        port_spaces: dict[str, set[int]] = {}
-        for each in views.values():
-            if each.address:
-                each.used_ports = port_spaces.setdefault(each.address, set())
+        share_ports(views.values())
         for r in self.state.replicas.values():
             for plan in r.shards:
                 view = views.get(plan.node_id)
@@ -613,10 +611,4 @@ def _exit_text(report: ShardReport) -> str:
 
 
 def _url_host(url: str) -> str:
-    rest = url.split("://", 1)[-1]
-    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
-    return host.strip("[]")
-
-
-def endpoint_url(plan: ShardPlan) -> str:
-    return f"http://{host_for_url(plan.address)}:{plan.port}"
+    return urllib.parse.urlsplit(url).hostname or ""
