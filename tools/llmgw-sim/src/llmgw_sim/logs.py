@@ -132,6 +132,58 @@ def vllm_arg_failure_tail(log: EngineLog, exc: str, message: str) -> None:
     )  # fmt: skip
 
 
+def vllm_bind_failure_tail(log: EngineLog, err: OSError, *, at_listen: bool) -> None:
+    """vLLM 0.32 binding its API port (SO_REUSEADDR, no SO_REUSEPORT with one API server):
+    a port another process holds fails in ``sock.bind`` before any engine starts, and
+    the exception escapes ``vllm serve`` as a plain traceback (exit 1)."""
+    site = _site()
+    frames = [
+        ("/usr/local/bin/vllm", 10, "<module>", "sys.exit(main())"),
+        (site.format("vllm/entrypoints/cli/main.py"), 120, "main", "args.dispatch_function(args)"),
+        (site.format("vllm/entrypoints/cli/serve.py"), 156, "cmd", "uvloop.run(run_server(args))"),
+    ]
+    if at_listen:
+        # Both bound while neither listened (two engines started at once): the
+        # loser's listen() fails when its server starts after loading.
+        frames += [
+            (
+                site.format("vllm/entrypoints/launchers/launcher.py"),
+                236,
+                "serve_http",
+                "server_task = loop.create_task(server.serve(sockets=[sock] if sock else None))",
+            ),
+            (
+                site.format("uvicorn/server.py"),
+                154,
+                "startup",
+                "server = await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, "
+                "backlog=config.backlog)",
+            ),
+        ]
+    else:
+        frames += [
+            (
+                site.format("vllm/entrypoints/launchers/api_server/entry.py"),
+                176,
+                "run_server",
+                "listen_address, sock = setup_server(args, reuse_port=False)",
+            ),
+            (
+                site.format("vllm/entrypoints/launchers/launcher.py"),
+                398,
+                "setup_server",
+                "sock = create_server_socket(sock_addr, reuse_port=reuse_port)",
+            ),
+            (
+                site.format("vllm/entrypoints/launchers/launcher.py"),
+                348,
+                "create_server_socket",
+                "sock.bind(addr)",
+            ),
+        ]
+    python_traceback_tail(log, frames, "OSError", f"[Errno {err.errno}] {err.strerror}")
+
+
 def vllm_crash_tail(log: EngineLog, message: str) -> None:
     """The engine core dying while serving: the API server reports EngineDeadError."""
     site = _site()

@@ -6,6 +6,7 @@ server wires it to asyncio.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from collections import OrderedDict, deque
@@ -18,8 +19,17 @@ from dataclasses import dataclass
 _TOKEN_RE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
 
 
-def tokenize(text: str) -> list[str]:
-    return _TOKEN_RE.findall(text)
+def tokenize(text: str, limit: int | None = None) -> list[str]:
+    """The text's tokens; with ``limit``, at most that many (bounded work for huge prompts)."""
+    if limit is None or len(text) <= limit:
+        # Every token has at least one character: the text cannot exceed the limit.
+        return _TOKEN_RE.findall(text)
+    return [m.group() for m in itertools.islice(_TOKEN_RE.finditer(text), limit)]
+
+
+# Prompts are tokenized only this far (or to --max-model-len + 1 when larger): enough to
+# refuse anything too long, while a 64 MB body costs a fraction of a second, not seconds.
+TOKEN_COUNT_CAP = 1 << 20
 
 
 _WORDS = [

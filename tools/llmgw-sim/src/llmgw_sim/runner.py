@@ -26,6 +26,7 @@ from llmgw_sim.logs import (
     llama_failure_tail,
     sglang_failure_tail,
     vllm_arg_failure_tail,
+    vllm_bind_failure_tail,
     vllm_core_failure_tail,
     vllm_crash_tail,
 )
@@ -235,6 +236,11 @@ class Lifecycle:
     # ----- serving ----------------------------------------------------------
 
     def _bind(self) -> socket.socket:
+        """Bind the API port; SGLang and llama.cpp also listen at once.
+
+        SO_REUSEADDR (as every engine sets it) lets a restart reuse a port in
+        TIME_WAIT, and lets two engines both *bind* a port nobody listens on yet;
+        whichever listens second fails, so listening is where a clash shows."""
         cfg = self.config
         infos = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
@@ -242,6 +248,8 @@ class Lifecycle:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
+            if self.kind != "vllm":
+                sock.listen(_BACKLOG)
         except OSError:
             sock.close()
             raise
@@ -259,20 +267,30 @@ class Lifecycle:
         )
         await self.http.start(sock, backlog=_BACKLOG)
 
-    def _bind_error(self, err: OSError) -> int:
+    def _bind_error(self, err: OSError, *, at_listen: bool = False) -> int:
+        """Fail as the engine fails when its port is taken (each in its own words)."""
         cfg = self.config
         if self.kind == "llama-server":
+            # llama-server (cpp-httplib, no SO_REUSEPORT since b8xxx) names no errno.
             self.log.raw(
-                f"main: couldn't bind HTTP server socket, hostname: {cfg.host}, port: {cfg.port}",
+                f"srv         start: couldn't bind HTTP server socket, hostname: {cfg.host}, "
+                f"port: {cfg.port}",
                 err=True,
             )
+            self.log.raw("srv  llama_server: exiting due to HTTP server error", err=True)
             return 1
+        if self.kind == "vllm":
+            vllm_bind_failure_tail(self.log, err, at_listen=at_listen)
+            return 1
+        # SGLang serves through uvicorn.run(host, port): uvicorn logs asyncio's bind
+        # error and exits with its STARTUP_FAILURE code.
+        reason = (err.strerror or str(err)).lower()
         self.log.raw(
             f"ERROR:    [Errno {err.errno}] error while attempting to bind on address "
-            f"({cfg.host!r}, {cfg.port}): {err.strerror}",
+            f"({cfg.host!r}, {cfg.port}): {reason}",
             err=True,
         )
-        return 1
+        return 3
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -335,6 +353,13 @@ class Lifecycle:
             return 0
 
         if cfg.kind == "vllm" and sock is not None:
+            try:
+                # vLLM bound at start but listens only now; another engine that
+                # bound the same port meanwhile may have listened first.
+                sock.listen(_BACKLOG)
+            except OSError as err:
+                sock.close()
+                return self._bind_error(err, at_listen=True)
             await self._serve(build_app(engine), sock)
         engine.ready = True
         self._log_ready()

@@ -20,6 +20,7 @@ from llmgw_sim.config import EngineConfig
 from llmgw_sim.httpserver import Request, Response, Stream
 from llmgw_sim.knobs import FAILURE_TYPES
 from llmgw_sim.model import (
+    TOKEN_COUNT_CAP,
     BatchSlots,
     PrefixCache,
     Timing,
@@ -279,9 +280,19 @@ class Engine:
             return self.error(status, message)
         return None
 
-    def context_error(self, gen: Generation, prompt_len: int) -> Response | None:
-        """400 when the prompt (plus max_tokens) does not fit, worded as each engine words it."""
+    @property
+    def token_cap(self) -> int:
+        """How far prompts are tokenized: past --max-model-len, never without bound."""
+        return max(TOKEN_COUNT_CAP, self.config.max_model_len + 1)
+
+    def context_error(
+        self, gen: Generation, prompt_len: int, *, at_least: bool = False
+    ) -> Response | None:
+        """400 when the prompt (plus max_tokens) does not fit, worded as each engine words it.
+
+        ``at_least``: tokenizing stopped at :attr:`token_cap`, the prompt has more tokens."""
         limit = self.config.max_model_len
+        more = "at least " if at_least else ""
         too_long = prompt_len >= limit
         over = gen.max_tokens is not None and prompt_len + gen.max_tokens > limit
         if self.kind == "llama-server":
@@ -303,7 +314,7 @@ class Engine:
             if too_long:
                 return self.error(
                     400,
-                    f"The input ({prompt_len} tokens) is longer than the model's context "
+                    f"The input ({more}{prompt_len} tokens) is longer than the model's context "
                     f"length ({limit} tokens).",
                 )
             if over:
@@ -320,7 +331,8 @@ class Engine:
             return self.error(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+                f"has {more}{prompt_len} input tokens. Please reduce the length of the input "
+                "messages.",
             )
         if over:
             return self.error(
@@ -554,7 +566,11 @@ class Api:
         bad = eng.check_model(model)
         if bad is not None:
             return bad
-        ids = prompt if isinstance(prompt, list) else eng.vocab.encode(tokenize(prompt))
+        ids = (
+            prompt
+            if isinstance(prompt, list)
+            else eng.vocab.encode(tokenize(prompt, eng.token_cap))
+        )
         body = {
             "count": len(ids),
             "max_model_len": eng.config.max_model_len,
@@ -583,18 +599,31 @@ class Api:
         req = self._admit(request, parse_embedding)
         if isinstance(req, Response):
             return req
-        dim = req.dimensions or eng.knobs.embedding_dim
+        size = eng.knobs.embedding_dim
+        dim = size
+        if req.dimensions is not None:
+            # The simulated model is Matryoshka-style: any length up to its embedding
+            # size. vLLM's PoolingParams.verify refuses the rest (a 400 before any work),
+            # so a huge "dimensions" can never tie up the event loop.
+            if not 1 <= req.dimensions <= size:
+                return eng.error(
+                    400,
+                    f"Model {eng.config.primary_name!r} only supports dimensions in range "
+                    f"[1, {size}], got {req.dimensions}.",
+                )
+            dim = req.dimensions
         data: list[dict[str, Any]] = []
         prompt_tokens = 0
         for i, item in enumerate(req.inputs):
-            tokens: list[Any] = tokenize(item) if isinstance(item, str) else item
+            tokens: list[Any] = tokenize(item, eng.token_cap) if isinstance(item, str) else item
             prompt_tokens += len(tokens)
             if len(tokens) > eng.config.max_model_len:
+                more = "at least " if len(tokens) >= eng.token_cap else ""
                 return eng.error(
                     400,
                     f"This model's maximum context length is {eng.config.max_model_len} tokens. "
-                    f"However, you requested {len(tokens)} tokens in the input for embedding "
-                    "generation. Please reduce the length of the input.",
+                    f"However, you requested {more}{len(tokens)} tokens in the input for "
+                    "embedding generation. Please reduce the length of the input.",
                 )
             vec = _embedding(item, dim)
             emb: Any = vec
@@ -628,11 +657,12 @@ class Api:
         gen = self._admit(request, parse)
         if isinstance(gen, Response):
             return gen
+        cap = eng.token_cap
         prompt: list[Any] = (
-            gen.prompt_ids if gen.prompt_ids is not None else tokenize(gen.prompt_text)
+            gen.prompt_ids if gen.prompt_ids is not None else tokenize(gen.prompt_text, cap)
         )
         prompt_len = len(prompt)
-        bad = eng.context_error(gen, prompt_len)
+        bad = eng.context_error(gen, prompt_len, at_least=prompt_len >= cap)
         if bad is not None:
             return bad
         stall_after = eng.knobs.stall_after_tokens
