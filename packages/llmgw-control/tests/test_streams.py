@@ -268,7 +268,10 @@ async def test_control_plane_restart_adopts_everything_and_touches_no_engine(
     )
     await early.until(lambda s: len(s.endpoints) == 3, "the early watcher's snapshot")
     assert [len(s.endpoints) for s in early.snapshots] == [3] * len(early.snapshots)
-    assert all(r["adopted"] for r in status["replicas"])
+    # The replicas come back from the state store as they were (not re-adopted).
+    assert {r["replica_id"] for r in status["replicas"]} == {
+        s.replica_id for a in agents for s in a.starts()
+    }
     assert {n["state"] for n in status["nodes"]} == {"READY"}
     watcher = watcher_factory(control.grpc_port)
     snap = await watcher.until(lambda s: len(s.endpoints) == 3, "three endpoints after restart")

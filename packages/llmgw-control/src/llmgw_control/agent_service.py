@@ -72,6 +72,11 @@ class AgentService:
         self.metrics = metrics or Metrics()
         self.sessions: dict[str, Session] = {}
         self._deadlines: dict[str, tuple[str, asyncio.TimerHandle]] = {}
+        # The leader's epoch, in every RegisterAck and command (fencing: agents refuse
+        # commands older than the newest epoch they saw). Cleared dispatching = a leader
+        # that lost its lease: nothing more goes out.
+        self.epoch = 0
+        self.dispatching = True
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -91,8 +96,11 @@ class AgentService:
         False when the node has no stream: the reconciler sends again once it has.
         """
         session = self.sessions.get(node_id)
-        if session is None:
+        if session is None or not self.dispatching:
             return False
+        for command in (msg.start_shard, msg.stop_shard, msg.drain_shard):
+            if command is not None:
+                command.epoch = self.epoch
         session.outbox.put_nowait(msg)
         session.pending.add(command_id)
         handle = asyncio.get_running_loop().call_later(
@@ -191,6 +199,7 @@ class AgentService:
                 register_ack=v1.RegisterAck(
                     session_id=session.session_id,
                     heartbeat_interval=dt.timedelta(seconds=self.heartbeat_interval),
+                    epoch=self.epoch,
                 )
             )
         )

@@ -30,6 +30,8 @@ from llmgw_control.config import (
     tls_problem,
 )
 from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
+from llmgw_control.stateful import Stateful
+from llmgw_control.store import StoreError
 from llmgw_control.tls_gate import GatedServer
 
 log = structlog.get_logger("llmgw_control")
@@ -71,12 +73,21 @@ def serve(config_path: Path, insecure: bool) -> None:
         asyncio.run(
             _serve(loaded, config_path, loaded.config.tls.with_insecure_flag(insecure).insecure)
         )
+    except StoreError as err:
+        # Never a silent fresh start: a store that cannot be read stops the start.
+        fail(f"state store: {err}", code=2)
     except OSError as err:
         fail(f"cannot serve: {err}", code=1)
 
 
 async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     controller = Controller(loaded)
+    stateful = Stateful(controller, loaded.config, config_path)
+    try:
+        await stateful.open()
+    except BaseException:
+        await stateful.store.close()
+        raise
     config = loaded.config
     ssl = None
     reloader: CertReloader | None = None
@@ -93,7 +104,9 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         controller.metrics.refusals.labels("tls", why.split(":")[0][:60]).inc()
 
     server = GatedServer(
-        [controller.agents, controller.publisher], ssl_context=ssl, on_refused=refused
+        stateful.services([controller.agents, controller.publisher]),
+        ssl_context=ssl,
+        on_refused=refused,
     )
     host, port = split_hostport(config.listen)
     await server.start_gated(host, port)
@@ -110,7 +123,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(controller, config_path))
-    reconciler = asyncio.create_task(controller.run())
+    stateful.start()
     housekeeping = [
         asyncio.create_task(keep_heap()),
         asyncio.create_task(watch_loop_lag(controller.metrics)),
@@ -126,15 +139,13 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     )
     await stop.wait()
     log.info("llmgw-control stopping; engines keep running")
-    reconciler.cancel()
     for task in housekeeping:
         task.cancel()
     server.close()
     await admin.close()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(server.wait_closed(), 5.0)
-    with contextlib.suppress(asyncio.CancelledError):
-        await reconciler
+    await stateful.stop()
 
 
 def _reload(controller: Controller, path: Path) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from llmgw_proto.addr import HostPort, parse_hostport
@@ -30,7 +30,11 @@ from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 __all__ = [
     "ControlConfig",
     "ControlSettings",
+    "EtcdSettings",
+    "HaSettings",
     "Loaded",
+    "PostgresSettings",
+    "StateSettings",
     "TlsConfig",
     "load_control_config",
     "split_hostport",
@@ -60,6 +64,49 @@ class ControlSettings(BaseConfig):
     stop_grace: Duration = Duration(30.0)
     # How long an agent has to answer a command with a CommandResult.
     command_timeout: Duration = Duration(30.0)
+    # How often agents read their engines' metrics for load reports (RegisterAck).
+    load_interval: Duration = Duration(0.25)
+
+
+class EtcdSettings(BaseConfig):
+    # host:port of etcd's client endpoints (v3 API); the first that answers is used.
+    endpoints: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:2379"])
+    # Every key of this control plane lives under this prefix.
+    prefix: str = "/llmgw"
+    username: str = ""
+    password: str = ""
+    # How long to wait for etcd at start and per request.
+    timeout: Duration = Duration(5.0)
+
+
+class PostgresSettings(BaseConfig):
+    # libpq-style URL: postgresql://user:password@host:port/dbname
+    dsn: str = ""
+    # A password kept out of the DSN (e.g. from a secrets file written at deploy time).
+    password_file: str = ""
+    timeout: Duration = Duration(5.0)
+
+
+class StateSettings(BaseConfig):
+    """Where the control plane keeps what it must not forget (nodes, replicas, endpoints)."""
+
+    backend: Literal["sqlite", "etcd", "postgres"] = "sqlite"
+    # sqlite: the directory of control.db; relative paths are from the config file.
+    state_dir: str = "control-state"
+    etcd: EtcdSettings = msgspec.field(default_factory=EtcdSettings)
+    postgres: PostgresSettings = msgspec.field(default_factory=PostgresSettings)
+
+
+class HaSettings(BaseConfig):
+    """Several instances, one leader; the state lives in the backend named here."""
+
+    backend: Literal["etcd", "postgres"]
+    # Unique per instance; default: hostname and listen port.
+    instance_id: str = ""
+    # host:port agents and routers dial to reach this instance (told them by standbys).
+    advertise: str = ""
+    # A leader that cannot renew its lease (or verify its lock) for this long steps down.
+    lease_ttl: Duration = Duration(10.0)
 
 
 class ControlConfig(BaseConfig):
@@ -68,6 +115,8 @@ class ControlConfig(BaseConfig):
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     control: ControlSettings = msgspec.field(default_factory=ControlSettings)
     models: list[ModelConfig] = []
+    state: StateSettings = msgspec.field(default_factory=StateSettings)
+    ha: HaSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +145,8 @@ def check(config: ControlConfig, source: str) -> Catalog:
         )
     if c.interval <= 0:
         raise ConfigError(source, "interval must be > 0", "$.control.interval")
+    if c.load_interval <= 0:
+        raise ConfigError(source, "load_interval must be > 0", "$.control.load_interval")
     if c.heartbeat_interval <= 0:
         raise ConfigError(source, "heartbeat_interval must be > 0", "$.control.heartbeat_interval")
     if c.base_backoff <= 0 or c.max_backoff < c.base_backoff:
@@ -114,7 +165,48 @@ def check(config: ControlConfig, source: str) -> Catalog:
             f"({c.unreachable_after:g}s)",
             "$.control.lost_after",
         )
+    check_state(config, source)
     return build_catalog(config.models, source)
+
+
+def check_state(config: ControlConfig, source: str) -> None:
+    """state: and ha: agree with each other and name what they need."""
+    st = config.state
+    if st.backend == "sqlite" and not st.state_dir:
+        raise ConfigError(source, "state_dir must not be empty", "$.state.state_dir")
+    if st.backend == "etcd":
+        if not st.etcd.endpoints:
+            raise ConfigError(source, "at least one etcd endpoint is needed", "$.state.etcd.endpoints")
+        for i, ep in enumerate(st.etcd.endpoints):
+            try:
+                split_hostport(ep.split("://", 1)[-1])
+            except ValueError as err:
+                raise ConfigError(source, str(err), f"$.state.etcd.endpoints[{i}]") from None
+        if not st.etcd.prefix.startswith("/"):
+            raise ConfigError(source, "prefix must start with /", "$.state.etcd.prefix")
+    if st.backend == "postgres" and not st.postgres.dsn:
+        raise ConfigError(
+            source,
+            "dsn is required with backend postgres (postgresql://user@host:port/db)",
+            "$.state.postgres.dsn",
+        )
+    ha = config.ha
+    if ha is None:
+        return
+    if ha.backend != st.backend:
+        raise ConfigError(
+            source,
+            f"ha.backend {ha.backend} needs state.backend: {ha.backend} (the leader's lease "
+            f"and the state live in one store), not {st.backend}",
+            "$.ha.backend",
+        )
+    if ha.lease_ttl < 1:
+        raise ConfigError(source, "lease_ttl must be at least 1s", "$.ha.lease_ttl")
+    if ha.advertise:
+        try:
+            split_hostport(ha.advertise)
+        except ValueError as err:
+            raise ConfigError(source, str(err), "$.ha.advertise") from None
 
 
 def load_control_config(path: str | Path) -> Loaded:

@@ -36,6 +36,7 @@ from llmgw_control.reconciler import (
     replica_state,
     unsend,
 )
+from llmgw_control.store.keeper import StateKeeper
 
 __all__ = ["Controller", "keep_heap", "settings_of", "watch_loop_lag"]
 
@@ -122,11 +123,15 @@ class Controller:
         # replica id -> why routers may not reach its published URL (logged once each).
         self.address_problems: dict[str, str] = {}
         self.metrics.count_fleet(self.node_counts, self.replica_counts)
+        # The state store (none until serve sets one): restores and writes what must
+        # not be forgotten; see llmgw_control.store.keeper.
+        self.keeper = StateKeeper(self)
 
     # --- agent events ---------------------------------------------------------------
 
     def on_register(self, session: Session, msg: v1.Register) -> None:
         self.inventory.register(msg, session.session_id, session.peer_host, time.monotonic())
+        self.keeper.node_changed(session.node_id)
         self._changed()
 
     def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
@@ -137,6 +142,7 @@ class Controller:
 
     def on_shard_status(self, session: Session, msg: v1.ShardStatus) -> None:
         self.inventory.shard_status(session.node_id, session.session_id, msg, time.monotonic())
+        self.keeper.node_changed(session.node_id)
         log.info(
             "shard status",
             node_id=session.node_id,
@@ -148,6 +154,7 @@ class Controller:
 
     def on_disconnect(self, session: Session) -> None:
         self.inventory.disconnect(session.node_id, session.session_id)
+        self.keeper.node_changed(session.node_id)
         self._changed()
 
     def on_command_result(
@@ -219,6 +226,7 @@ class Controller:
         self.inventory.prune(
             {p.shard_id for r in self.state.replicas.values() for p in r.shards}, now
         )
+        self.keeper.after_pass()
         self.metrics.reconciles.inc()
         self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 

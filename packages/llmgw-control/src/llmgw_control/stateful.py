@@ -1,0 +1,175 @@
+"""How ``serve`` runs the controller with its state store, alone or as one of several.
+
+Alone (no ``ha:``): the store is opened and read before anything listens (a store
+that cannot be read stops the start), the epoch is bumped, the state restored, and
+the reconciler runs. With ``ha:``: the store is opened and read the same way, then
+the instance campaigns; while standing by it refuses agent streams and watches with
+the leader's address; when elected it reloads the state, takes the new epoch and
+starts reconciling; when it loses the lead it stops dispatching at once, ends every
+stream and forgets what it held, and campaigns again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import Gauge
+
+from llmgw_control.config import ControlConfig, split_hostport
+from llmgw_control.controller import Controller
+from llmgw_control.ha import (
+    EtcdBackend,
+    LeaderGate,
+    Leadership,
+    PostgresBackend,
+    default_instance_id,
+)
+from llmgw_control.store import Change, Store, make_store
+from llmgw_control.store.keeper import StateKeeper
+from llmgw_control.store.persist import META
+
+__all__ = ["Stateful"]
+
+log = structlog.get_logger(__name__)
+
+
+class Stateful:
+    def __init__(
+        self, controller: Controller, config: ControlConfig, config_path: Path | None
+    ) -> None:
+        self.controller = controller
+        self.config = config
+        self.store: Store = make_store(config.state, config_path)
+        self.keeper = StateKeeper(controller, self.store)
+        controller.keeper = self.keeper
+        self.leadership: Leadership | None = None
+        self.gate: LeaderGate | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._reconciler: asyncio.Task[None] | None = None
+        self._persist: asyncio.Task[None] | None = None
+        registry = controller.metrics.registry
+        self.leader_gauge = Gauge(
+            "llmgw_control_leader", "1 while this instance leads (dispatches).", registry=registry
+        )
+        self.epoch_gauge = Gauge(
+            "llmgw_control_epoch", "The epoch this instance leads with.", registry=registry
+        )
+        ha = config.ha
+        if ha is not None:
+            host, port = split_hostport(config.listen)
+            instance = ha.instance_id or default_instance_id(config.listen)
+            address = ha.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+            backend: Any
+            if ha.backend == "etcd":
+                backend = EtcdBackend(self.store, instance, address, float(ha.lease_ttl))
+            else:
+                backend = PostgresBackend(self.store, instance, address)
+            self.leadership = Leadership(backend, ha, instance, address, self._elected, self._lost)
+            self.gate = LeaderGate([], lambda: self._leading(), lambda: self._leader())
+            # Nothing goes out before this instance is elected.
+            controller.agents.dispatching = False
+
+    def _leading(self) -> bool:
+        return self.leadership is None or self.leadership.leading
+
+    def _leader(self) -> str:
+        return self.leadership.leader_address if self.leadership is not None else ""
+
+    def services(self, services: list[Any]) -> list[Any]:
+        if self.gate is None:
+            return services
+        self.gate.services = services
+        return [self.gate]
+
+    async def open(self) -> None:
+        """Open and read the store; StoreError (the start must stop) if it cannot be read."""
+        await self.store.open()
+        restored = await self.keeper.load()
+        if self.leadership is None:
+            epoch = int(self.keeper.get(META, "epoch") or b"0") + 1
+            await self.store.write([Change(META, "epoch", str(epoch).encode())])
+            self.keeper.other.setdefault(META, {})["epoch"] = str(epoch).encode()
+            self._epoch(epoch)
+            self.keeper.restore(restored)
+        else:
+            log.info(
+                "state readable; campaigning for the lead",
+                store=self.store.description,
+                nodes=len(restored.nodes),
+                replicas=len(restored.replicas),
+            )
+            # A standby holds nothing: the state is read again when it is elected.
+            self.keeper.reset()
+
+    def _epoch(self, epoch: int) -> None:
+        self.controller.agents.epoch = epoch
+        self.epoch_gauge.set(epoch)
+
+    def start(self) -> None:
+        if self.leadership is None:
+            self.leader_gauge.set(1)
+            self._start_leading()
+        else:
+            self._tasks.append(asyncio.create_task(self.leadership.run()))
+
+    def _start_leading(self) -> None:
+        assert self.keeper.persister is not None
+        self.controller.agents.dispatching = True
+        self._persist = asyncio.create_task(self.keeper.persister.run())
+        self._reconciler = asyncio.create_task(self.controller.run())
+
+    async def _elected(self, epoch: int) -> None:
+        c = self.controller
+        self.keeper.reset()
+        self.keeper.persister.on_not_leader = self._fenced  # type: ignore[union-attr]
+        c.publisher.primed.clear()
+        c.state.started_at = time.monotonic()
+        restored = await self.keeper.load()
+        self.keeper.restore(restored)
+        self._epoch(epoch)
+        self.leader_gauge.set(1)
+        self._start_leading()
+
+    def _fenced(self) -> None:
+        assert self.leadership is not None
+        asyncio.get_running_loop().create_task(self.leadership._step_down("a write was fenced"))
+
+    def _lost(self, why: str) -> None:
+        # At once, before anything else can run: nothing more is dispatched or written.
+        c = self.controller
+        c.agents.dispatching = False
+        if self.keeper.persister is not None:
+            self.keeper.persister.enabled = False
+        self.leader_gauge.set(0)
+        for task in (self._reconciler, self._persist):
+            if task is not None:
+                task.cancel()
+        self._reconciler = self._persist = None
+        if self.gate is not None:
+            self.gate.end_all()
+        self.keeper.reset()
+        c.publisher.primed.clear()
+
+    async def stop(self) -> None:
+        for task in (self._reconciler, *self._tasks):
+            if task is not None:
+                task.cancel()
+        for task in (self._reconciler, *self._tasks):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self.keeper.persister is not None and self._leading():
+            if self._persist is not None:
+                self._persist.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._persist
+            self.keeper.after_pass()
+            await self.keeper.persister.flush()
+        if self.leadership is not None:
+            await self.leadership.resign()
+        await self.store.close()

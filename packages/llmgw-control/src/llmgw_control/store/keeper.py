@@ -1,0 +1,165 @@
+"""The controller's state in the store: restore at start (or takeover), keep it written.
+
+The controller calls :meth:`StateKeeper.node_changed` on every Register, shard status
+and disconnect (never on a heartbeat) and :meth:`StateKeeper.after_pass` after each
+reconcile pass; the keeper turns what changed into records for the
+:class:`~llmgw_control.store.persist.Persister`. Without a store it does nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from llmgw_control.inventory import Inventory, NodeState
+from llmgw_control.reconciler import ControlState
+from llmgw_control.store.base import Change, Records, Store
+from llmgw_control.store.persist import (
+    META,
+    NODE,
+    PUBLISH,
+    REPLICA,
+    Clock,
+    Persister,
+    Restored,
+    StoreMetrics,
+    decode_state,
+    encode_node,
+    encode_publish,
+    encode_replaced,
+    encode_replica,
+)
+
+if TYPE_CHECKING:
+    from llmgw_control.controller import Controller
+
+__all__ = ["StateKeeper"]
+
+log = structlog.get_logger(__name__)
+
+
+class StateKeeper:
+    def __init__(self, controller: Controller, store: Store | None = None) -> None:
+        self.controller = controller
+        self.store = store
+        self.persister: Persister | None = None
+        self._dirty_nodes: set[str] = set()
+        self._published = -1
+        self._replaced: bytes = b""
+        # One mapping of monotonic to wall time for the whole process, so the same
+        # record always encodes to the same bytes (unchanged records are not written).
+        self.clock = Clock.now()
+        # Records of kinds the controller does not own (override, rollout, ...).
+        self.other: Records = {}
+        if store is not None:
+            self.persister = Persister(store, StoreMetrics(controller.metrics.registry))
+
+    @property
+    def enabled(self) -> bool:
+        return self.persister is not None and self.persister.enabled
+
+    # --- the generic keyed records (rollouts, overrides, ...) -------------------------
+
+    def get(self, kind: str, key: str) -> bytes | None:
+        return self.other.get(kind, {}).get(key)
+
+    def records(self, kind: str) -> dict[str, bytes]:
+        return dict(self.other.get(kind, {}))
+
+    def put(self, kind: str, key: str, value: bytes | None) -> None:
+        """Keep ``value`` under (kind, key) (None deletes it); written with the next batch."""
+        if kind in (NODE, REPLICA, PUBLISH):
+            raise ValueError(f"record kind {kind!r} belongs to the controller")
+        if value is None:
+            self.other.get(kind, {}).pop(key, None)
+        else:
+            self.other.setdefault(kind, {})[key] = value
+        if self.persister is not None:
+            self.persister.stage(kind, key, value)
+
+    # --- start and takeover -----------------------------------------------------------
+
+    async def load(self) -> Restored:
+        """Read and decode everything: a StoreError here must stop the start."""
+        assert self.store is not None
+        records = await self.store.load()
+        restored = decode_state(records, self.clock.at_now(), self.store.description)
+        assert self.persister is not None
+        self.persister.seed(records)
+        return restored
+
+    def restore(self, restored: Restored) -> None:
+        """Every known node UNREACHABLE as if its stream just dropped; replicas kept."""
+        c = self.controller
+        self.other = restored.other
+        c.inventory.nodes.update(restored.nodes)
+        c.state.replicas.update(restored.replicas)
+        c.state.replaced.update(restored.replaced)
+        if restored.publish_version:
+            c.publisher.version = max(c.publisher.version, restored.publish_version + 1)
+        if not restored.empty:
+            # What ran before is known: publish it from the first snapshot on, rather than
+            # wait out the startup grace with nothing for the routers.
+            c.publisher.update(c.endpoints())
+            c.publisher.primed.set()
+        self._published = c.publisher.version
+        log.info(
+            "state restored",
+            store=self.store.description if self.store else None,
+            nodes=len(restored.nodes),
+            replicas=len(restored.replicas),
+            endpoints=len(c.publisher.endpoints),
+            publish_version=c.publisher.version,
+        )
+
+    def reset(self) -> None:
+        """Forget everything in memory (a standby that lost or gave up the lead)."""
+        c = self.controller
+        c.inventory = Inventory()
+        c.state = ControlState(started_at=time.monotonic())
+        self._dirty_nodes.clear()
+        self.other = {}
+        if self.persister is not None:
+            self.persister = Persister(self.persister.store, self.persister.metrics)
+
+    # --- changes ----------------------------------------------------------------------
+
+    def node_changed(self, node_id: str) -> None:
+        if self.persister is not None:
+            self._dirty_nodes.add(node_id)
+
+    def after_pass(self) -> None:
+        p = self.persister
+        if p is None or not p.enabled:
+            return
+        c = self.controller
+        clock = self.clock
+        nodes = c.inventory.nodes
+        for node_id in self._dirty_nodes:
+            node = nodes.get(node_id)
+            p.stage(NODE, node_id, encode_node(node, clock) if node is not None else None)
+        self._dirty_nodes.clear()
+        # LOST nodes stay known (an agent may come back); nodes pruned away are deleted.
+        for gone in p.known(NODE) - nodes.keys():
+            p.stage(NODE, gone, None)
+        replicas = c.state.replicas
+        for rid, r in replicas.items():
+            p.stage(REPLICA, rid, encode_replica(r, clock))
+        for gone in p.known(REPLICA) - replicas.keys():
+            p.stage(REPLICA, gone, None)
+        replaced = encode_replaced(c.state.replaced, clock)
+        if replaced != self._replaced:
+            self._replaced = replaced
+            p.stage(META, "replaced", replaced)
+        if c.publisher.version != self._published:
+            self._published = c.publisher.version
+            p.stage(PUBLISH, "current", encode_publish(c.publisher.version, c.publisher.endpoints))
+
+    def lost_nodes(self) -> int:
+        return sum(1 for n in self.controller.inventory.nodes.values() if n.state == NodeState.LOST)
+
+    async def write_now(self, changes: list[Change]) -> None:
+        assert self.store is not None
+        await self.store.write(changes)

@@ -1,0 +1,164 @@
+"""PostgreSQL (through asyncpg): records in one table, the leader's claim in another.
+
+With a leader (see :mod:`llmgw_control.ha`), writes go over the connection that holds
+the session advisory lock, and each write transaction first checks in ``pg_locks``
+that this session still holds it: a deposed leader cannot write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+
+from llmgw_control.config import PostgresSettings
+from llmgw_control.store.base import (
+    SCHEMA_VERSION,
+    Change,
+    NotLeader,
+    Records,
+    StoreError,
+    check_schema,
+    group,
+)
+
+__all__ = ["LOCK_KEY", "PostgresStore"]
+
+# The advisory lock of the leader: one fixed 64-bit key ("llmgwctl").
+LOCK_KEY = 0x6C6C6D6777637463
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS llmgw_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS llmgw_records (
+    kind TEXT NOT NULL, key TEXT NOT NULL, value BYTEA NOT NULL, PRIMARY KEY (kind, key));
+CREATE TABLE IF NOT EXISTS llmgw_leader (
+    id INT PRIMARY KEY CHECK (id = 1), epoch BIGINT NOT NULL,
+    instance TEXT NOT NULL, address TEXT NOT NULL, since TIMESTAMPTZ NOT NULL DEFAULT now());
+"""
+
+HELD = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND pid = pg_backend_pid() AND classid = $1 AND objid = $2 AND objsubid = 1"
+)
+
+
+def lock_parts() -> tuple[int, int]:
+    """pg_locks shows a bigint advisory key as (classid, objid): high and low 32 bits."""
+    return (LOCK_KEY >> 32) & 0xFFFFFFFF, LOCK_KEY & 0xFFFFFFFF
+
+
+class PostgresStore:
+    def __init__(self, settings: PostgresSettings, setting: str = "state.postgres.dsn") -> None:
+        self.settings = settings
+        self.setting = setting
+        self.description = f"postgres store {_redacted(settings.dsn)} ({setting})"
+        self.conn: Any = None
+        # True once this instance leads: every write verifies the lock first.
+        self.fenced = False
+
+    async def connect(self) -> Any:
+        password = None
+        if self.settings.password_file:
+            try:
+                password = _read(self.settings.password_file)
+            except OSError as err:
+                raise StoreError(
+                    f"{self.description}: state.postgres.password_file "
+                    f"{self.settings.password_file}: {err.strerror or err}"
+                ) from None
+        try:
+            return await asyncpg.connect(
+                self.settings.dsn, password=password, timeout=float(self.settings.timeout)
+            )
+        except asyncpg.InvalidPasswordError as err:
+            raise StoreError(
+                f"{self.description}: PostgreSQL refused the password "
+                f"(state.postgres.dsn / password_file): {err}"
+            ) from None
+        except asyncpg.InvalidAuthorizationSpecificationError as err:
+            raise StoreError(f"{self.description}: PostgreSQL refused the user: {err}") from None
+        except asyncpg.InvalidCatalogNameError as err:
+            raise StoreError(f"{self.description}: no such database: {err}") from None
+        except (asyncpg.PostgresError, OSError, TimeoutError, ValueError) as err:
+            raise StoreError(
+                f"{self.description}: PostgreSQL cannot be reached: {err or type(err).__name__}"
+            ) from None
+
+    async def open(self) -> None:
+        self.conn = await self.connect()
+        try:
+            exists = await self.conn.fetchval("SELECT to_regclass('llmgw_meta') IS NOT NULL")
+            version = None
+            if exists:
+                raw = await self.conn.fetchval("SELECT value FROM llmgw_meta WHERE name='schema'")
+                version = int(raw) if raw is not None else None
+            check_schema(self.description, version, self.setting)
+            if version is None:
+                async with self.conn.transaction():
+                    # One instance creates the tables; the others wait on this lock.
+                    await self.conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_KEY - 1)
+                    await self.conn.execute(SCHEMA)
+                    await self.conn.execute(
+                        "INSERT INTO llmgw_meta (name, value) VALUES ('schema', $1)"
+                        " ON CONFLICT (name) DO NOTHING",
+                        str(SCHEMA_VERSION),
+                    )
+        except asyncpg.PostgresError as err:
+            raise StoreError(f"{self.description}: {err}") from None
+
+    async def load(self) -> Records:
+        try:
+            rows = await self.conn.fetch("SELECT kind, key, value FROM llmgw_records")
+        except (asyncpg.PostgresError, OSError) as err:
+            raise StoreError(f"{self.description}: {err}") from None
+        out: Records = {}
+        for row in rows:
+            out.setdefault(row["kind"], {})[row["key"]] = bytes(row["value"])
+        return out
+
+    async def write(self, changes: Sequence[Change]) -> None:
+        net = group(changes)
+        puts = [(k, key, v) for (k, key), v in net.items() if v is not None]
+        dels = [(k, key) for (k, key), v in net.items() if v is None]
+        try:
+            async with self.conn.transaction():
+                if self.fenced and await self.conn.fetchval(HELD, *lock_parts()) != 1:
+                    raise NotLeader(f"{self.description}: this session lost the leader lock")
+                if puts:
+                    await self.conn.executemany(
+                        "INSERT INTO llmgw_records (kind, key, value) VALUES ($1, $2, $3)"
+                        " ON CONFLICT (kind, key) DO UPDATE SET value = excluded.value",
+                        puts,
+                    )
+                if dels:
+                    await self.conn.executemany(
+                        "DELETE FROM llmgw_records WHERE kind = $1 AND key = $2", dels
+                    )
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
+            if self.fenced:
+                # The session (and with it the lock) may be gone: not the leader any more.
+                raise NotLeader(f"{self.description}: write failed as leader: {err}") from None
+            raise StoreError(f"{self.description}: write failed: {err}") from None
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                await self.conn.close(timeout=2)
+            self.conn = None
+
+
+def _redacted(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    scheme, sep, rest = dsn.partition("://")
+    if not sep or "@" not in rest:
+        return dsn
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}@{host}"
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text().strip()
