@@ -228,6 +228,15 @@ def kit() -> Kit:
     return Kit(FakeNvml=FakeNvml, FakeGpu=FakeGpu, FakeControl=FakeControl, make_start=make_start)
 
 
+# The fake engine prints no help: its flags are those of the captured real engines.
+# SGLang's capture has not landed yet; its stand-in is argparse help of the old table.
+FLAGS_FROM = {
+    "vllm": "captured:0.32.0",
+    "sglang": str(Path(__file__).parent / "data" / "sglang-interim-help.txt"),
+    "llamacpp": "captured:b11434",
+}
+
+
 def agent_yaml(tmp_path: Path, engine: list[str], **extra: Any) -> dict[str, Any]:
     """agent.yaml content (as data) for a simulated node whose engines are ``engine``."""
     data: dict[str, Any] = {
@@ -236,7 +245,10 @@ def agent_yaml(tmp_path: Path, engine: list[str], **extra: Any) -> dict[str, Any
         "labels": {"fabric.nvlink-domain": "nvl-1"},
         "simulate_gpus": {"count": 4, "name": "NVIDIA H200", "memory": "141GiB"},
         "engine_host": "127.0.0.1",
-        "engines": {name: {"command": engine} for name in ("vllm", "sglang", "llamacpp")},
+        "engines": {
+            name: {"command": engine, "flags_from": FLAGS_FROM[name]}
+            for name in ("vllm", "sglang", "llamacpp")
+        },
         "state_dir": str(tmp_path / "state"),
         "stop_grace": "10s",
         "health_interval": "100ms",

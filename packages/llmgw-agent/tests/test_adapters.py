@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,14 +12,28 @@ from llmgw_agent.adapters import (
     VLLM,
     adapter_for,
     build_launch,
-    parse_engine_args,
+    reachability_problem,
     split_host_port,
 )
+from llmgw_agent.engine_flags import FlagSpec, Option, captured, parse_help
 from llmgw_proto import v1
+
+SPECS = {
+    "vllm": captured("vllm", "0.32.0"),
+    "sglang": parse_help(
+        "sglang", (Path(__file__).parent / "data" / "sglang-interim-help.txt").read_text()
+    ),
+    "llamacpp": captured("llamacpp", "b11434"),
+}
+
+
+def build(adapter: Any, start: v1.StartShard, command: list[str], **hosts: str) -> Any:
+    parsed = SPECS[adapter.name].parse(start.engine_args)
+    return build_launch(adapter, start, parsed, command, **hosts)
 
 
 def launch(adapter: Any, start: v1.StartShard, command: list[str] | None = None) -> Any:
-    return build_launch(
+    return build(
         adapter, start, command or ["vllm"], bind_host="127.0.0.1", endpoint_host="10.0.0.5"
     )
 
@@ -136,13 +151,11 @@ def test_served_name_defaults_to_model(kit: Any) -> None:
 
 
 def test_wildcard_bind_polls_loopback(kit: Any) -> None:
-    result = build_launch(
-        VLLM, kit.make_start(), ["vllm"], bind_host="0.0.0.0", endpoint_host="node7"
-    )
+    result = build(VLLM, kit.make_start(), ["vllm"], bind_host="0.0.0.0", endpoint_host="node7")
     assert result.argv[result.argv.index("--host") + 1] == "0.0.0.0"
     assert result.health_url == "http://127.0.0.1:20001/health"
     assert result.endpoint_url == "http://node7:20001"
-    v6 = build_launch(VLLM, kit.make_start(), ["vllm"], bind_host="::", endpoint_host="fd00::2")
+    v6 = build(VLLM, kit.make_start(), ["vllm"], bind_host="::", endpoint_host="fd00::2")
     assert v6.health_url == "http://[::1]:20001/health"
     assert v6.endpoint_url == "http://[fd00::2]:20001"
 
@@ -156,7 +169,7 @@ def test_adapter_knowledge() -> None:
 
 
 def test_parse_forms() -> None:
-    parsed = VLLM.parse(
+    parsed = SPECS["vllm"].parse(
         [
             "--max_model_len=4096",
             "--no-enable-prefix-caching",
@@ -175,7 +188,7 @@ def test_parse_forms() -> None:
     assert parsed.values["--seed"] == ["-1"]
     assert parsed.values["--api-key"] == ["a", "b"]
     assert parsed.values["--tensor-parallel-size"] == ["2"]
-    bad = VLLM.parse(["--max-modle-len", "4096", "--enforce-eager", "stray", "--dtype"])
+    bad = SPECS["vllm"].parse(["--max-modle-len", "4096", "--enforce-eager", "stray", "--dtype"])
     assert bad.errors == [
         "unknown engine argument '--max-modle-len'",
         "unexpected positional argument '4096'",
@@ -183,10 +196,12 @@ def test_parse_forms() -> None:
         "engine argument '--dtype' needs a value",
     ]
     # SGLang has no --no-X negation and no underscore spelling.
-    assert SGLANG.parse(["--no-enable-metrics"]).errors == [
+    assert SPECS["sglang"].parse(["--no-enable-metrics"]).errors == [
         "unknown engine argument '--no-enable-metrics'"
     ]
-    assert SGLANG.parse(["--tp_size", "2"]).errors[0] == "unknown engine argument '--tp_size'"
+    assert (
+        SPECS["sglang"].parse(["--tp_size", "2"]).errors[0] == "unknown engine argument '--tp_size'"
+    )
 
 
 def test_split_host_port() -> None:
@@ -197,7 +212,14 @@ def test_split_host_port() -> None:
             split_host_port(bad)
 
 
-_VALUE_FLAGS = ["--max-model-len", "--dtype", "--seed", "--gpu-memory-utilization", "--block-size"]
+# (--dtype is left out: its value must be one of its choices.)
+_VALUE_FLAGS = [
+    "--max-model-len",
+    "--max-num-seqs",
+    "--seed",
+    "--gpu-memory-utilization",
+    "--block-size",
+]
 _SWITCHES = ["--enforce-eager", "--trust-remote-code", "--enable-prefix-caching"]
 
 
@@ -223,7 +245,7 @@ def test_parallel_sizes_found_among_any_flags(
         args += [f"--tensor-parallel-size={tp}", f"--pipeline-parallel-size={pp}"]
     else:
         args = ["-tp", str(tp), *args, "--pipeline-parallel-size", str(pp)]
-    parsed = VLLM.parse(args)
+    parsed = SPECS["vllm"].parse(args)
     assert parsed.errors == []
     start = v1.StartShard(engine=v1.EngineKind.VLLM, gpu_indices=[0])
     assert VLLM.parallel_sizes(start, parsed) == (tp, pp)
@@ -231,8 +253,19 @@ def test_parallel_sizes_found_among_any_flags(
 
 @given(st.lists(st.sampled_from(["--alpha", "--beta", "-x", "value", "--gamma=1"]), max_size=8))
 def test_parser_never_raises_and_accounts_for_every_token(tokens: list[str]) -> None:
-    flags = {"--alpha": 1, "--beta": 0}
-    parsed = parse_engine_args(tokens, flags, {"-x": "--beta"})
+    spec = FlagSpec("sglang", "", (Option(("--alpha",), 1, 1), Option(("--beta", "-x"), 0, 0)))
+    parsed = spec.parse(tokens)
     # Every token is either read as a flag/value or named in an error.
     assert all(isinstance(e, str) and e for e in parsed.errors)
     assert set(parsed.values) <= {"--alpha", "--beta"}
+
+
+def test_endpoint_reachability_is_checked(kit: Any) -> None:
+    # Loopback bind, other address advertised: nobody else can reach the engine.
+    loop = launch(VLLM, kit.make_start())
+    assert "binds 127.0.0.1 (loopback) but is advertised at 10.0.0.5" in loop.endpoint_warning
+    wide = build(VLLM, kit.make_start(), ["vllm"], bind_host="0.0.0.0", endpoint_host="node7")
+    assert wide.endpoint_warning == ""
+    assert "where it does not listen" in reachability_problem("10.0.0.5", "127.0.0.1")
+    assert reachability_problem("127.0.0.1", "localhost") == ""
+    assert reachability_problem("10.0.0.5", "10.0.0.5") == ""

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 from llmgw_agent.adapters import LLAMACPP, build_launch
+from llmgw_agent.engine_flags import captured
 from llmgw_proto import v1
 
 HELP = (
     Path(__file__).parents[1] / "src" / "llmgw_agent" / "engine_help" / "llama-server-b11434.txt"
 ).read_text()
 # Options that print something and exit: never part of a serving profile.
-EXITS = {"-h", "--help", "--usage", "--completion-bash", "-cl", "--cache-list"}
+EXITS = {"-h", "--help", "--usage", "--version", "--completion-bash", "-cl", "--cache-list"}
 _NAME = r"(?:^|[\s,])(--?[A-Za-z][\w.-]*)"
 
 
@@ -39,6 +40,7 @@ def help_options(text: str) -> list[tuple[list[str], str]]:
 
 
 OPTIONS = help_options(HELP)
+SPEC = captured("llamacpp", "b11434")
 SPELLINGS = [
     (name, placeholder)
     for names, placeholder in OPTIONS
@@ -56,9 +58,9 @@ def test_the_help_text_was_read() -> None:
 @pytest.mark.parametrize(("name", "placeholder"), SPELLINGS, ids=[s[0] for s in SPELLINGS])
 def test_every_option_of_the_real_help_is_accepted(name: str, placeholder: str) -> None:
     # A switch after the option shows it took what it should and no more.
-    after = "--slots" if LLAMACPP.aliases.get(name, name) == "--metrics" else "--metrics"
+    after = "--slots" if SPEC.option(name) is SPEC.option("--metrics") else "--metrics"
     values = [] if not placeholder else ["1", "2"] if placeholder == "START END" else ["on"]
-    parsed = LLAMACPP.parse([name, *values, after])
+    parsed = SPEC.parse([name, *values, after])
     assert parsed.errors == []
     assert parsed.values.pop(after) == []
     (taken,) = parsed.values.values()
@@ -75,7 +77,12 @@ def test_every_flag_the_adapter_emits_is_in_the_real_help(kit: Any) -> None:
         served_model_names=["m"],
     )
     argv = build_launch(
-        LLAMACPP, start, ["llama-server"], bind_host="127.0.0.1", endpoint_host="127.0.0.1"
+        LLAMACPP,
+        start,
+        SPEC.parse([]),
+        ["llama-server"],
+        bind_host="127.0.0.1",
+        endpoint_host="127.0.0.1",
     ).argv
     emitted = {a for a in argv[1:] if a.startswith("-")}
     assert emitted >= {"-m", "--host", "--port", "--alias", "--threads", "--metrics"}

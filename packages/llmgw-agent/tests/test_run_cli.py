@@ -51,7 +51,8 @@ def write_config(tmp_path: Path, fake_engine: list[str], port: int, **extra: Any
         "labels": {"fabric.nvlink-domain": "nvl-9", "fabric.ib-subnet": "ib-2"},
         "simulate_gpus": {"count": 2, "name": "NVIDIA H200", "memory": "141GiB"},
         "engine_host": "127.0.0.1",
-        "engines": {"vllm": {"command": fake_engine}},
+        # The fake engine prints no help of its own.
+        "engines": {"vllm": {"command": fake_engine, "flags_from": "captured:0.32.0"}},
         "state_dir": str(tmp_path / "state"),
         "stop_grace": "10s",
         "health_interval": "100ms",

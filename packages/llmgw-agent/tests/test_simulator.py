@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.health import running_requests
 from llmgw_agent.supervisor import Supervisor
 from llmgw_proto import v1
 from llmgw_testkit import free_port, http_get, wait_for_async
@@ -38,7 +39,12 @@ class Statuses(list[v1.ShardStatus]):
 
 
 def sim_supervisor(make_config: Callable[..., AgentConfig], statuses: Statuses) -> Supervisor:
-    config = make_config(engines={k: {"command": cmd} for k, (_, cmd, _) in ENGINES.items()})
+    # The simulator accepts the captured real engines' flags; SGLang's are read from the
+    # simulator's own --help until SGLang's capture lands.
+    flags = {"vllm": "captured:0.32.0", "sglang": "", "llamacpp": "captured:b11434"}
+    config = make_config(
+        engines={k: {"command": cmd, "flags_from": flags[k]} for k, (_, cmd, _) in ENGINES.items()}
+    )
     sup = Supervisor(
         config, gpus=dict.fromkeys(range(4), True), simulated=True, sink=statuses.append
     )
@@ -106,7 +112,8 @@ async def test_drain_waits_for_a_request_in_flight(
     engine = sup.engines[start.shard_id]
 
     async def busy() -> bool:
-        return bool(await sup._running_requests(engine))
+        launch = engine.record.launch
+        return bool(await running_requests(launch.metrics_url, engine.adapter.running_metric))
 
     await wait_for_async(busy, timeout=30, what="a running request in the engine's metrics")
     deadline = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=2)

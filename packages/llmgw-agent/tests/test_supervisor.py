@@ -86,7 +86,7 @@ async def test_start_ready_stop(
     assert ready.replica_id == "qwen.fast.0123abcd"
     # The engine got the adapter's real command line and its GPUs.
     assert "fake engine argv: serve Qwen/Qwen2.5-0.5B-Instruct --host 127.0.0.1" in "\n".join(
-        sup.engines[start.shard_id].output
+        sup.engines[start.shard_id].output.lines
     )
     assert "CUDA_VISIBLE_DEVICES=1,2" in sup.output_tail(start.shard_id)
     # The shard is recorded for a restarted agent, and listed for Register.

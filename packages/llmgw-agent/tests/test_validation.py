@@ -10,19 +10,37 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_agent.adapters import LLAMACPP, SGLANG, VLLM, adapter_for
+from llmgw_agent.adapters import LLAMACPP, SGLANG, VLLM, Adapter, adapter_for
+from llmgw_agent.engine_flags import captured, parse_help
+from llmgw_agent.engines import InstalledEngine
 from llmgw_agent.validation import NodeView, Probes, looks_like_path, real_probes, validate
 from llmgw_proto import v1
+
+SPECS = {
+    "vllm": captured("vllm", "0.32.0"),
+    "sglang": parse_help(
+        "sglang", (Path(__file__).parent / "data" / "sglang-interim-help.txt").read_text()
+    ),
+    "llamacpp": captured("llamacpp", "b11434"),
+}
+ENGINES = {k: InstalledEngine(k, k, s.version, s) for k, s in SPECS.items()}
+
+
+def run_validate(
+    start: v1.StartShard, adapter: Adapter | None, node: NodeView, probes: Probes
+) -> list[str]:
+    parsed = SPECS[adapter.name].parse(start.engine_args) if adapter else None
+    return validate(start, adapter, parsed, ["vllm"], node, probes, bind_host="127.0.0.1")
+
 
 ALL_OK = Probes(
     which=lambda name: f"/usr/bin/{name}", port_free=lambda h, p: True, path_exists=lambda p: True
 )
-NODE = NodeView(gpus={0: False, 1: False, 2: False, 3: False}, simulated=False)
+NODE = NodeView(gpus={0: False, 1: False, 2: False, 3: False}, simulated=False, engines=ENGINES)
 
 
 def check(start: v1.StartShard, *, node: NodeView = NODE, probes: Probes = ALL_OK) -> list[str]:
-    adapter = adapter_for(start.engine)
-    return validate(start, adapter, ["vllm"], node, probes, bind_host="127.0.0.1")
+    return run_validate(start, adapter_for(start.engine), node, probes)
 
 
 def test_valid_start_has_no_problems(kit: Any) -> None:
@@ -78,8 +96,10 @@ def test_executable_must_exist(kit: Any) -> None:
     probes = Probes(
         which=lambda name: None, port_free=lambda h, p: True, path_exists=lambda p: True
     )
+    start = kit.make_start()
+    parsed = SPECS["vllm"].parse(start.engine_args)
     problems = validate(
-        kit.make_start(), VLLM, ["llmgw-sim", "vllm"], NODE, probes, bind_host="127.0.0.1"
+        start, VLLM, parsed, ["llmgw-sim", "vllm"], NODE, probes, bind_host="127.0.0.1"
     )
     assert problems == [
         "engine executable 'llmgw-sim' not found on PATH (engines.vllm.command in agent.yaml)"
@@ -165,7 +185,7 @@ def test_parallel_rule_property(gpus: int, nodes: int, tp: int, pp: int) -> None
         engine_args=["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)],
     )  # fmt: skip
     node = NodeView(gpus=dict.fromkeys(range(8), False), simulated=False)
-    problems = validate(start, VLLM, ["vllm"], node, ALL_OK, bind_host="127.0.0.1")
+    problems = run_validate(start, VLLM, node, ALL_OK)
     assert (problems == []) == (tp * pp == gpus * nodes)
 
 
@@ -177,19 +197,23 @@ def test_reserved_flags_always_refused(flag: str) -> None:
         model_ref="m",
         port=1,
         gpu_indices=[0],
-        engine_args=[flag, "x"] if VLLM.flags[flag] else [flag],
+        engine_args=[flag, "x"] if SPECS["vllm"].takes_value(flag) else [flag],
     )
-    problems = validate(start, VLLM, ["vllm"], NODE, ALL_OK, bind_host="127.0.0.1")
+    problems = run_validate(start, VLLM, NODE, ALL_OK)
     assert f"engine_args: {flag} is set by the agent from the StartShard" in problems
 
 
 def test_known_flags_pass_for_every_adapter() -> None:
     for adapter in (VLLM, SGLANG, LLAMACPP):
-        for flag, arity in adapter.flags.items():
+        spec = SPECS[adapter.name]
+        for flag in sorted(spec.spellings()):
+            option = spec.option(flag)
+            assert option is not None
             if flag in adapter.reserved:
                 continue
-            args = [flag] if arity == 0 else [flag, "1"]
-            assert adapter.parse(args).errors == [], (adapter.name, flag)
+            value = option.choices[0] if option.choices else "1"
+            args = [flag, *[value] * max(option.min_values, 1 if option.takes_value else 0)]
+            assert spec.parse(args).errors == [], (adapter.name, flag)
 
 
 def test_looks_like_path() -> None:
@@ -229,7 +253,7 @@ def dry_run(
 def test_dry_run_prints_argv_env_and_ok(tmp_path: Path) -> None:
     config = (
         f"simulate_gpus: {{count: 2}}\nengine_host: 127.0.0.1\nstate_dir: {tmp_path / 'state'}\n"
-        f"engines: {{vllm: {{command: [{sys.executable}, -c, pass]}}}}\n"
+        f"engines: {{vllm: {{command: [{sys.executable}, -c, pass], flags_from: captured}}}}\n"
     )
     start = {
         "shard_id": "m.p.1-0", "engine": "vllm", "model_ref": "Qwen/Qwen2.5-0.5B",

@@ -33,6 +33,7 @@ class Agent:
             gpus={g.index: self.gpus.simulated for g in self.gpus.gpus},
             simulated=self.gpus.simulated,
             sink=self.outbox.status,
+            gpu_memory=self.gpus.memory,
         )
         tls = config.control.tls
         ssl_context = None
@@ -63,10 +64,18 @@ class Agent:
             inventory=collect_inventory(self.config, self.gpus),
             labels=dict(self.config.labels),
             shards=self.supervisor.running_shards(),
+            engines=[e.info() for e in self.supervisor.installed().values()],
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         adopted = self.supervisor.adopt()
+        # The engines' versions and flags (vLLM's help takes tens of seconds the first
+        # time; it is cached per executable and version) before the first Register.
+        installed = await asyncio.to_thread(self.supervisor.installed)
+        log.info(
+            "engines",
+            **{k: e.version or f"unusable: {e.error}" for k, e in installed.items()},
+        )
         log.info(
             "agent starting",
             node=self.config.node_name,

@@ -15,18 +15,23 @@ from llmgw_proto.config import ConfigError
 from llmgw_proto.logs import setup_logging
 
 from llmgw_agent import __version__
-from llmgw_agent.adapters import adapter_for, build_launch
+from llmgw_agent.adapters import adapter_for
 from llmgw_agent.config import AgentConfig, load_agent_config
 from llmgw_agent.inventory import collect_inventory, open_gpus
-from llmgw_agent.validation import NodeView, real_probes, validate
+from llmgw_agent.plan import Refused, plan
+from llmgw_agent.records import live_records
+from llmgw_agent.supervisor import load_installed
+from llmgw_agent.validation import NodeView, real_probes
 
 _ENGINE_NAMES = {"vllm": "ENGINE_KIND_VLLM", "sglang": "ENGINE_KIND_SGLANG"}
 _ENGINE_NAMES["llamacpp"] = "ENGINE_KIND_LLAMACPP"
 
 
-def _config_or_exit(path: str | None, *, insecure: bool = False) -> AgentConfig:
+def _config_or_exit(
+    path: str | None, *, insecure: bool = False, files: bool = False
+) -> AgentConfig:
     try:
-        return load_agent_config(path, insecure=insecure)
+        return load_agent_config(path, insecure=insecure, files=files)
     except ConfigError as err:
         fail(str(err))
 
@@ -129,32 +134,23 @@ def dry_run(config_path: str | None, start_path: str, as_json: bool) -> None:
     config = _config_or_exit(config_path, insecure=True)
     start = read_start(start_path)
     gpus = open_gpus(config)
+    gpu_memory = gpus.memory()
     gpus.close()
+    state_dir = Path(config.state_dir).expanduser()
     # Shards already running on this node hold their GPUs and ports.
-    from llmgw_agent.supervisor import live_records
-
-    records = live_records(Path(config.state_dir).expanduser())
+    records = live_records(state_dir)
+    adapter = adapter_for(start.engine)
     node = NodeView(
         gpus={g.index: gpus.simulated for g in gpus.gpus},
         simulated=gpus.simulated,
-        gpus_in_use={i: r.shard_id for r in records for i in r.gpu_indices},
-        ports_in_use={r.port: r.shard_id for r in records},
+        gpus_in_use={i: r.shard_id for r in records for i in r.start.gpu_indices},
+        ports_in_use={r.start.port: r.shard_id for r in records},
+        engines=load_installed(config, state_dir, (adapter.name,)) if adapter else {},
+        gpu_memory=gpu_memory,
     )
-    adapter = adapter_for(start.engine)
-    command = _engine_command(config, adapter.name) if adapter else []
-    problems = validate(start, adapter, command, node, real_probes(), bind_host=config.engine_host)
-    launch = None
-    if adapter is not None:
-        try:
-            launch = build_launch(
-                adapter,
-                start,
-                command,
-                bind_host=config.engine_host,
-                endpoint_host=config.endpoint_host(),
-            )
-        except ValueError as err:  # e.g. a leader address validation already named
-            problems.append(str(err))
+    decided = plan(start, config, node, real_probes())
+    launch = decided.launch
+    problems = decided.problems if isinstance(decided, Refused) else []
     if as_json:
         out: dict[str, Any] = {"ok": not problems, "problems": problems}
         if launch is not None:
@@ -165,6 +161,7 @@ def dry_run(config_path: str | None, start_path: str, as_json: bool) -> None:
                 metrics_url=launch.metrics_url,
                 endpoint_url=launch.endpoint_url,
                 headless=launch.headless,
+                endpoint_warning=launch.endpoint_warning,
             )
         click.echo(json.dumps(out, indent=2))
     else:
@@ -175,6 +172,8 @@ def dry_run(config_path: str | None, start_path: str, as_json: bool) -> None:
                 click.echo(f"  {key}={value}")
             click.echo(f"health: {launch.health_url}")
             click.echo(f"endpoint: {launch.endpoint_url or '(headless: no HTTP)'}")
+            if launch.endpoint_warning:
+                click.echo(f"WARNING: {launch.endpoint_warning}")
         if problems:
             click.echo("validation: FAILED")
             for problem in problems:
@@ -182,10 +181,6 @@ def dry_run(config_path: str | None, start_path: str, as_json: bool) -> None:
         else:
             click.echo("validation: ok")
     sys.exit(1 if problems else 0)
-
-
-def _engine_command(config: AgentConfig, name: str) -> list[str]:
-    return list(getattr(config.engines, name).command)
 
 
 def _quote(arg: str) -> str:
@@ -204,7 +199,7 @@ def run(config_path: str | None, insecure: bool) -> None:
     SIGTERM or SIGINT stops the agent; engines keep running (a new agent re-adopts
     them) unless stop_engines_on_exit is set.
     """
-    config = _config_or_exit(config_path, insecure=insecure)
+    config = _config_or_exit(config_path, insecure=insecure, files=True)
     from llmgw_agent.agent import run_agent
 
     sys.exit(run_agent(config))

@@ -77,6 +77,9 @@ class TlsConfig(BaseConfig):
 
 class ControlConfig(BaseConfig):
     address: NonEmptyStr = "127.0.0.1:7070"
+    # Several control-plane instances (high availability): tried in turn, and a standby's
+    # answer names the leader. Empty: just ``address`` (a DNS name may resolve to several).
+    addresses: list[NonEmptyStr] = msgspec.field(default_factory=list)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     # How long to wait for RegisterAck before giving up on a connection attempt.
     register_timeout: Duration = Duration(30.0)
@@ -91,6 +94,10 @@ class SimulatedGpus(BaseConfig):
 class EngineCommand(BaseConfig):
     # The executable and any leading words; the adapter appends its own arguments.
     command: Command
+    # Where the accepted flags come from. Empty: the engine's own help, read once per
+    # executable and version. "captured" or "captured:VERSION": a help text kept in
+    # llmgw_agent/engine_help/. Anything else: the path of a saved help text.
+    flags_from: str = ""
 
 
 class EnginesConfig(BaseConfig):
@@ -126,6 +133,10 @@ class AgentConfig(BaseConfig):
     # Used when a StartShard carries no load_timeout of its own.
     load_timeout: Duration = Duration(1200.0)
     health_interval: Duration = Duration(1.0)
+    # How long an engine may take to print its version or help (vLLM's takes ~30 s).
+    engine_probe_timeout: Duration = Duration(300.0)
+    # How often the engines' metrics are read for load reports, unless RegisterAck says.
+    load_interval: Duration = Duration(0.25)
     drain_poll_interval: Duration = Duration(1.0)
     output_tail_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 40
     output_buffer_lines: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 2000
@@ -145,6 +156,13 @@ class AgentConfig(BaseConfig):
     @property
     def simulated_memory_bytes(self) -> int:
         return parse_size(self.simulate_gpus.memory) if self.simulate_gpus else 0
+
+    def control_addresses(self) -> list[str]:
+        return list(self.control.addresses) or [self.control.address]
+
+    def engine_command(self, name: str) -> list[str]:
+        engine: EngineCommand = getattr(self.engines, name)
+        return list(engine.command)
 
     def endpoint_host(self) -> str:
         if self.advertise_host:
@@ -166,6 +184,10 @@ def _check(config: AgentConfig, source: str) -> AgentConfig:
     host, sep, port = config.control.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(source, "expected HOST:PORT", "$.control.address")
+    for i, address in enumerate(config.control.addresses):
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(source, "expected HOST:PORT", f"$.control.addresses[{i}]")
     tls = config.control.tls
     if not tls.insecure:
         for name in ("cert", "key", "ca"):
@@ -181,8 +203,24 @@ def _check(config: AgentConfig, source: str) -> AgentConfig:
     return config
 
 
-def load_agent_config(path: str | Path | None, *, insecure: bool = False) -> AgentConfig:
-    """Load agent.yaml (or defaults when ``path`` is None); ``insecure`` is the CLI flag."""
+def check_files(config: AgentConfig, source: str) -> None:
+    """The certificate, key and CA files exist (checked when the agent is to run)."""
+    tls = config.control.tls
+    if tls.insecure:
+        return
+    for name in ("cert", "key", "ca"):
+        path = Path(getattr(tls, name)).expanduser()
+        if not path.is_file():
+            raise ConfigError(source, f"no such file: {str(path)!r}", f"$.control.tls.{name}")
+
+
+def load_agent_config(
+    path: str | Path | None, *, insecure: bool = False, files: bool = False
+) -> AgentConfig:
+    """Load agent.yaml (or defaults when ``path`` is None); ``insecure`` is the CLI flag.
+
+    ``files``: also check that the files it names exist (for ``run``).
+    """
     if path is None:
         data: object = {}
         source = "<defaults>"
@@ -195,5 +233,7 @@ def load_agent_config(path: str | Path | None, *, insecure: bool = False) -> Age
         tls = control.get("tls") or {} if isinstance(control, dict) else None
         if isinstance(control, dict) and isinstance(tls, dict):
             data = {**data, "control": {**control, "tls": {**tls, "insecure": True}}}
-    config = convert(data, AgentConfig, source=source)
-    return _check(config, source)
+    config = _check(convert(data, AgentConfig, source=source), source)
+    if files:
+        check_files(config, source)
+    return config

@@ -176,7 +176,8 @@ class FlagSpec:
                 errors.append(f"engine argument {name!r} prints something and exits")
                 continue
             if not option.takes_value:
-                if inline is None and name.startswith("--no-") and key == "--" + name[5:]:
+                negated = name.startswith("--no-") and key == "--" + name[5:]
+                if inline is None and negated and self.kind != "llamacpp":
                     inline = "false"  # argparse's BooleanOptionalAction: --no-x sets x false
                 values[key] = [inline] if inline is not None else []
                 continue

@@ -210,6 +210,14 @@ class GpuSource:
             out.append(usage)
         return out
 
+    def memory(self) -> dict[int, tuple[int, int]]:
+        """GPU index -> (total, free) bytes now (simulated GPUs are all free)."""
+        used = {u.index: u.memory_used_bytes for u in self.usage()}
+        return {
+            g.index: (g.memory_total_bytes, max(0, g.memory_total_bytes - used.get(g.index, 0)))
+            for g in self.gpus
+        }
+
     def close(self) -> None:
         if self._ok and self.nvml is not None:
             with contextlib.suppress(pynvml.NVMLError):

@@ -1,42 +1,44 @@
-"""Supervision of engine processes: launch, health, drain, stop, exit, re-adoption.
+"""The lifecycle of engine processes: launch, health, drain, stop, exit, re-adoption.
 
-Each engine runs in its own session (so its own process group) and writes its
-output to a file in the state directory, not to a pipe: a pipe would die with
-the agent and take the engine with it (SIGPIPE) on the next agent upgrade. The
-agent tails that file into a ring buffer and its own log, and the file lets a
-restarted agent keep reading the output of engines it re-adopts.
-
-Every running shard is recorded in ``state_dir/shards/<shard>.json``; a new
-agent re-adopts the engines whose pid is alive with the same start time and
-command line, and supervises them by pid.
+Each engine runs in its own session (so its own process group) and writes its output
+to a file in the state directory (:mod:`llmgw_agent.output`). Every running shard has one
+record (:mod:`llmgw_agent.records`); a new agent re-adopts the engines whose pid is alive
+with the same start time and command line (:mod:`llmgw_agent.procs`), and supervises them
+by pid. What to launch is decided by :func:`llmgw_agent.plan.plan`, nowhere else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import datetime
 import os
-import re
 import signal
 import subprocess
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import structlog
 from llmgw_proto import v1
 
-from llmgw_agent.adapters import Adapter, Launch, adapter_for, build_launch
+from llmgw_agent.adapters import Adapter, adapter_for
 from llmgw_agent.config import AgentConfig
-from llmgw_agent.probe import http_get, metric_value
-from llmgw_agent.validation import NodeView, Probes, real_probes, validate
+from llmgw_agent.engines import InstalledEngine, load_engine
+from llmgw_agent.health import health_status, running_requests
+from llmgw_agent.output import OutputFollower, file_tail
+from llmgw_agent.plan import Plan, Refused, plan
+from llmgw_agent.procs import (
+    cmdline_matches,
+    process_start_ticks,
+    signal_name,
+)
+from llmgw_agent.records import ShardRecord, live_records, read_records, record_path
+from llmgw_agent.validation import NodeView, Probes, real_probes
 
 __all__ = [
+    "Engine",
     "ShardRecord",
     "Supervisor",
     "cmdline_matches",
@@ -45,140 +47,26 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-engine_log = structlog.get_logger("llmgw_agent.engine")
 
 StatusSink = Callable[[v1.ShardStatus], None]
 S = v1.ShardState
-
-
-class ShardRecord(msgspec.Struct, kw_only=True):
-    """One running shard as recorded in the state directory."""
-
-    shard_id: str
-    replica_id: str
-    model: str
-    profile: str
-    engine: str
-    pid: int
-    # /proc/PID/stat start time: a reused pid has another one.
-    pid_start: int
-    argv: list[str]
-    env: dict[str, str]
-    started_at: float
-    port: int
-    gpu_indices: list[int]
-    rank: int
-    world_size: int
-    endpoint_url: str
-    health_url: str
-    metrics_url: str
-    headless: bool
-    load_timeout: float
-    state: str
-    output_path: str
-    # The StartShard itself, serialized, so nothing of it is lost.
-    start_shard: str
-
-
-def _safe_name(shard_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", shard_id) or "_"
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot; None if gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if not fields or fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def process_cmdline(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
-
-
-def cmdline_matches(argv: list[str], cmdline: list[str]) -> bool:
-    """Whether a process's command line is the one launched from ``argv``.
-
-    A script with a ``#!`` line shows up as ``interpreter [arg] /path/script args…``,
-    so the arguments must match exactly and the program's name must be among the
-    words that come before them.
-    """
-    if cmdline == argv:
-        return True
-    if not argv or len(cmdline) < len(argv):
-        return False
-    tail = len(argv) - 1
-    if tail and cmdline[-tail:] != argv[1:]:
-        return False
-    head = cmdline[: len(cmdline) - tail]
-    program = os.path.basename(argv[0])
-    return any(os.path.basename(word) == program for word in head)
-
-
-def _record_alive(record: ShardRecord) -> bool:
-    for _ in range(40):
-        if process_start_ticks(record.pid) != record.pid_start:
-            return False
-        cmdline = process_cmdline(record.pid)
-        if cmdline:
-            return cmdline_matches(record.argv, cmdline)
-        # Empty while the kernel is still setting up a process that is being exec'd
-        # (an engine launched a moment ago): look again shortly.
-        time.sleep(0.05)
-    return False
-
-
-def _read_records(state_dir: Path) -> list[tuple[Path, ShardRecord | None]]:
-    out: list[tuple[Path, ShardRecord | None]] = []
-    shards = state_dir / "shards"
-    if not shards.is_dir():
-        return out
-    for path in sorted(shards.glob("*.json")):
-        try:
-            out.append((path, msgspec.json.decode(path.read_bytes(), type=ShardRecord)))
-        except (OSError, msgspec.DecodeError):
-            out.append((path, None))
-    return out
-
-
-def live_records(state_dir: Path) -> list[ShardRecord]:
-    """Recorded shards whose engine still runs (same pid, start time and command line)."""
-    return [r for _, r in _read_records(state_dir) if r is not None and _record_alive(r)]
 
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 @dataclass
 class Engine:
-    """One engine process of one shard, and everything watching it."""
+    """One engine process of one shard: its record, and everything watching it."""
 
-    start: v1.StartShard
-    adapter: Adapter
-    launch: Launch
     record: ShardRecord
-    record_path: Path
+    adapter: Adapter
+    path: Path
+    output: OutputFollower
     popen: subprocess.Popen[bytes] | None
     state: v1.ShardState = S.STARTING
     adopted: bool = False
-    output: deque[str] = field(default_factory=deque)
     # Set once the agent asked it to stop: its exit is then STOPPED, not FAILED.
     stop_reason: str = ""
     # Set when the agent kills it for a failure of its own (load timeout).
@@ -189,16 +77,22 @@ class Engine:
     lifecycle: asyncio.Task[None] | None = None
     exit_code: int | None = None
     exit_signal: int | None = None
-    # Where following the output file starts (an adopted engine's file has history).
-    output_offset: int = 0
+
+    @property
+    def start(self) -> v1.StartShard:
+        return self.record.start
 
     @property
     def shard_id(self) -> str:
-        return self.start.shard_id
+        return self.record.start.shard_id
 
     @property
     def pid(self) -> int:
         return self.record.pid
+
+    def save(self) -> None:
+        self.record.state = self.state.name
+        self.record.save(self.path)
 
 
 class Supervisor:
@@ -212,6 +106,8 @@ class Supervisor:
         simulated: bool,
         sink: StatusSink,
         probes: Probes | None = None,
+        engines: Mapping[str, InstalledEngine] | None = None,
+        gpu_memory: Callable[[], Mapping[int, tuple[int, int]]] | None = None,
     ) -> None:
         self.config = config
         self.gpus = gpus
@@ -220,7 +116,17 @@ class Supervisor:
         self.probes = probes or real_probes()
         self.state_dir = Path(config.state_dir).expanduser()
         self.engines: dict[str, Engine] = {}
+        self._installed = dict(engines) if engines is not None else None
+        self._gpu_memory = gpu_memory
         self._closing = False
+
+    # ---- the engines installed ---------------------------------------------------------
+
+    def installed(self) -> dict[str, InstalledEngine]:
+        """Each engine kind's version and flags, read once (the first call may take long)."""
+        if self._installed is None:
+            self._installed = load_installed(self.config, self.state_dir)
+        return self._installed
 
     # ---- commands -------------------------------------------------------------------
 
@@ -233,29 +139,13 @@ class Supervisor:
             )
             return result
         self._emit_for(start, S.VALIDATING, reason="checking the profile before launch")
-        adapter = adapter_for(start.engine)
-        command = self.engine_command(adapter)
-        problems = validate(
-            start,
-            adapter,
-            command,
-            self.node_view(),
-            self.probes,
-            bind_host=self.config.engine_host,
-        )
-        if problems or adapter is None:
-            return self._refuse(start, "validation failed: " + "; ".join(problems))
-        launch = build_launch(
-            adapter,
-            start,
-            command,
-            bind_host=self.config.engine_host,
-            endpoint_host=self.config.endpoint_host(),
-        )
+        decided = plan(start, self.config, self.node_view(), self.probes)
+        if isinstance(decided, Refused):
+            return self._refuse(start, "validation failed: " + "; ".join(decided.problems))
         try:
-            engine = self._spawn(start, adapter, launch)
+            engine = self._spawn(decided)
         except OSError as err:
-            return self._refuse(start, f"could not launch {launch.argv[0]!r}: {err}")
+            return self._refuse(start, f"could not launch {decided.launch.argv[0]!r}: {err}")
         self.engines[start.shard_id] = engine
         self._emit(engine, S.STARTING, reason=f"launched pid {engine.pid}")
         engine.lifecycle = asyncio.create_task(self._run(engine), name=f"shard {start.shard_id}")
@@ -284,17 +174,14 @@ class Supervisor:
 
     # ---- what the node runs ----------------------------------------------------------
 
-    def engine_command(self, adapter: Adapter | None) -> list[str]:
-        if adapter is None:
-            return []
-        return list(getattr(self.config.engines, adapter.name).command)
-
     def node_view(self) -> NodeView:
         return NodeView(
             gpus=self.gpus,
             simulated=self.simulated,
             gpus_in_use={i: e.shard_id for e in self.engines.values() for i in e.start.gpu_indices},
             ports_in_use={e.start.port: e.shard_id for e in self.engines.values()},
+            engines=self.installed(),
+            gpu_memory=self._gpu_memory() if self._gpu_memory else {},
         )
 
     def running_shards(self) -> list[v1.RunningShard]:
@@ -302,28 +189,30 @@ class Supervisor:
         for engine in self.engines.values():
             if engine.state not in (S.STARTING, S.READY, S.DRAINING):
                 continue
-            r = engine.record
+            start, multi = engine.start, engine.start.multi_node
             out.append(
                 v1.RunningShard(
-                    shard_id=r.shard_id,
-                    replica_id=r.replica_id,
-                    model=r.model,
-                    profile=r.profile,
+                    shard_id=start.shard_id,
+                    replica_id=start.replica_id,
+                    model=start.model,
+                    profile=start.profile,
                     state=engine.state,
-                    endpoint_url=r.endpoint_url,
-                    gpu_indices=list(r.gpu_indices),
-                    port=r.port,
-                    pid=r.pid,
-                    rank=r.rank,
-                    world_size=r.world_size,
-                    started_at=datetime.datetime.fromtimestamp(r.started_at, datetime.UTC),
+                    endpoint_url=engine.record.launch.endpoint_url,
+                    gpu_indices=list(start.gpu_indices),
+                    port=start.port,
+                    pid=engine.pid,
+                    rank=multi.rank if multi else 0,
+                    world_size=max(1, multi.size) if multi else 1,
+                    started_at=datetime.datetime.fromtimestamp(
+                        engine.record.started_at, datetime.UTC
+                    ),
                 )
             )
         return out
 
     def output_tail(self, shard_id: str) -> str:
         engine = self.engines.get(shard_id)
-        return _tail(engine, self.config.output_tail_lines) if engine else ""
+        return engine.output.tail(self.config.output_tail_lines) if engine else ""
 
     # ---- adoption and shutdown -------------------------------------------------------
 
@@ -333,46 +222,35 @@ class Supervisor:
         Records whose engine is gone are removed and reported FAILED.
         """
         adopted: list[str] = []
-        for path, record in _read_records(self.state_dir):
+        for path, record in read_records(self.state_dir):
             if record is None:
                 log.warning("removing unreadable shard record", path=str(path))
                 path.unlink(missing_ok=True)
                 continue
             if record.shard_id in self.engines:
                 continue
-            start = v1.StartShard.parse(base64.b64decode(record.start_shard))
-            adapter = adapter_for(start.engine)
-            if adapter is None or not _record_alive(record):
+            adapter = adapter_for(record.start.engine)
+            if adapter is None or not record.alive():
                 log.warning("recorded engine is gone", shard=record.shard_id, pid=record.pid)
                 path.unlink(missing_ok=True)
                 self._emit_for(
-                    start,
+                    record.start,
                     S.FAILED,
                     reason=f"engine pid {record.pid} exited while no agent was watching it",
-                    tail=_file_tail(Path(record.output_path), self.config.output_tail_lines),
+                    tail=file_tail(Path(record.output_path), self.config.output_tail_lines),
                 )
                 continue
-            launch = Launch(
-                argv=record.argv,
-                env=record.env,
-                health_url=record.health_url,
-                metrics_url=record.metrics_url,
-                endpoint_url=record.endpoint_url,
-                headless=record.headless,
-            )
             state = S.from_string(record.state) if record.state else S.STARTING
             engine = Engine(
-                start=start,
-                adapter=adapter,
-                launch=launch,
                 record=record,
-                record_path=path,
+                adapter=adapter,
+                path=path,
+                output=self._follower(record),
                 popen=None,
                 state=state,
                 adopted=True,
-                output=deque(maxlen=self.config.output_buffer_lines),
             )
-            engine.output_offset = _refill(engine, Path(record.output_path))
+            engine.output.refill()
             self.engines[record.shard_id] = engine
             engine.lifecycle = asyncio.create_task(
                 self._run(engine), name=f"shard {record.shard_id}"
@@ -401,18 +279,26 @@ class Supervisor:
 
     # ---- internals ---------------------------------------------------------------------
 
+    def _follower(self, record: ShardRecord) -> OutputFollower:
+        return OutputFollower(
+            Path(record.output_path),
+            record.shard_id,
+            lines=self.config.output_buffer_lines,
+            max_bytes=self.config.output_file_max_bytes,
+        )
+
     def _refuse(self, start: v1.StartShard, reason: str) -> v1.CommandResult:
         log.warning("refused shard", shard=start.shard_id, reason=reason)
         self._emit_for(start, S.FAILED, reason=reason)
         return v1.CommandResult(command_id=start.command_id, ok=False, error=reason)
 
-    def _spawn(self, start: v1.StartShard, adapter: Adapter, launch: Launch) -> Engine:
-        shards_dir = self.state_dir / "shards"
+    def _spawn(self, decided: Plan) -> Engine:
+        start, launch = decided.start, decided.launch
+        path = record_path(self.state_dir, start.shard_id)
         logs_dir = self.state_dir / "logs"
-        shards_dir.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         logs_dir.mkdir(parents=True, exist_ok=True)
-        name = _safe_name(start.shard_id)
-        output_path = logs_dir / f"{name}.log"
+        output_path = logs_dir / path.with_suffix(".log").name
         fd = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         try:
             popen = subprocess.Popen(
@@ -426,52 +312,32 @@ class Supervisor:
             )
         finally:
             os.close(fd)
-        multi = start.multi_node
-        timeout = (
-            start.load_timeout.total_seconds() if start.load_timeout else self.config.load_timeout
-        )
         record = ShardRecord(
-            shard_id=start.shard_id,
-            replica_id=start.replica_id,
-            model=start.model,
-            profile=start.profile,
-            engine=adapter.name,
+            start_shard=ShardRecord.encode_start(start),
+            launch=launch,
             pid=popen.pid,
             pid_start=process_start_ticks(popen.pid) or 0,
-            argv=launch.argv,
-            env=launch.env,
             started_at=time.time(),
-            port=start.port,
-            gpu_indices=list(start.gpu_indices),
-            rank=multi.rank if multi else 0,
-            world_size=max(1, multi.size) if multi else 1,
-            endpoint_url=launch.endpoint_url,
-            health_url=launch.health_url,
-            metrics_url=launch.metrics_url,
-            headless=launch.headless,
-            load_timeout=float(timeout),
-            state=S.STARTING.name,
+            load_timeout=decided.load_timeout,
             output_path=str(output_path),
-            start_shard=base64.b64encode(bytes(start)).decode(),
         )
         engine = Engine(
-            start=start,
-            adapter=adapter,
-            launch=launch,
             record=record,
-            record_path=shards_dir / f"{name}.json",
+            adapter=decided.adapter,
+            path=path,
+            output=self._follower(record),
             popen=popen,
-            output=deque(maxlen=self.config.output_buffer_lines),
         )
-        self._save(engine)
+        engine.save()
         log.info("launched engine", shard=start.shard_id, pid=popen.pid, argv=launch.argv)
+        if launch.endpoint_warning:
+            log.warning(
+                "engine unreachable at its endpoint URL",
+                shard=start.shard_id,
+                endpoint=launch.endpoint_url,
+                problem=launch.endpoint_warning,
+            )
         return engine
-
-    def _save(self, engine: Engine) -> None:
-        engine.record.state = engine.state.name
-        tmp = engine.record_path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(engine.record))
-        os.replace(tmp, engine.record_path)
 
     def _spawn_task(self, engine: Engine, coro: object) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
@@ -494,12 +360,15 @@ class Supervisor:
 
     def _emit(self, engine: Engine, state: v1.ShardState, *, reason: str = "") -> None:
         engine.state = state
+        launch = engine.record.launch
+        if state == S.READY and launch.endpoint_warning:
+            reason = f"{reason}; WARNING: {launch.endpoint_warning}"
         status = v1.ShardStatus(
             shard_id=engine.shard_id,
             replica_id=engine.start.replica_id,
             state=state,
             reason=reason,
-            endpoint_url=engine.launch.endpoint_url if state == S.READY else "",
+            endpoint_url=launch.endpoint_url if state == S.READY else "",
             time=_now(),
             pid=engine.pid,
             port=engine.start.port,
@@ -509,13 +378,13 @@ class Supervisor:
             status.exit_code = engine.exit_code
             status.signal = engine.exit_signal
         if state == S.FAILED:
-            status.output_tail = _tail(engine, self.config.output_tail_lines)
+            status.output_tail = engine.output.tail(self.config.output_tail_lines)
         log.info("shard transition", shard=engine.shard_id, state=state.name, reason=reason)
         self.sink(status)
 
     async def _run(self, engine: Engine) -> None:
         """Watch one engine from launch (or adoption) to its exit, then report the end."""
-        tailer = asyncio.create_task(self._tail_output(engine))
+        follower = asyncio.create_task(engine.output.follow())
         health = (
             asyncio.create_task(self._await_ready(engine)) if engine.state == S.STARTING else None
         )
@@ -524,9 +393,9 @@ class Supervisor:
         finally:
             if health is not None:
                 health.cancel()
-            tailer.cancel()
+            follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await tailer
+                await follower
         if self._closing and not engine.stop_reason:
             return  # the agent is going away; the next one re-adopts this engine
         self._finish(engine)
@@ -541,14 +410,14 @@ class Supervisor:
         else:
             reason = engine.fail_reason or f"engine exited by itself: {how}"
             self._emit(engine, S.FAILED, reason=reason)
-        engine.record_path.unlink(missing_ok=True)
+        engine.path.unlink(missing_ok=True)
         if self.engines.get(engine.shard_id) is engine:
             del self.engines[engine.shard_id]
         engine.done.set()
 
     def _exit_text(self, engine: Engine) -> str:
         if engine.exit_signal is not None:
-            return f"killed by {_signal_name(engine.exit_signal)}"
+            return f"killed by {signal_name(engine.exit_signal)}"
         if engine.exit_code is not None:
             return f"exit code {engine.exit_code}"
         return "exit code unknown (started by a previous agent, so not this agent's child)"
@@ -586,24 +455,22 @@ class Supervisor:
         return process_start_ticks(engine.pid) != engine.record.pid_start
 
     async def _await_ready(self, engine: Engine) -> None:
-        deadline = engine.record.started_at + engine.record.load_timeout
+        record = engine.record
+        deadline = record.started_at + record.load_timeout
         interval = self.config.health_interval
         while True:
-            if engine.launch.headless:
+            if record.launch.headless:
                 # A headless rank serves no HTTP: alive after one interval counts as ready.
                 await asyncio.sleep(interval)
                 if not engine.exited.is_set():
                     break
                 return
-            try:
-                status, _ = await http_get(engine.launch.health_url, timeout=max(interval, 2.0))
-            except (OSError, TimeoutError):
-                status = 0
+            status = await health_status(record.launch.health_url, timeout=max(interval, 2.0))
             if status == 200:
                 break
             if time.time() >= deadline:
                 engine.fail_reason = (
-                    f"not ready within the load timeout of {engine.record.load_timeout:g}s "
+                    f"not ready within the load timeout of {record.load_timeout:g}s "
                     f"(last health check: {status or 'no answer'})"
                 )
                 await self._terminate(engine, self.config.stop_grace)
@@ -612,17 +479,18 @@ class Supervisor:
         if engine.stop_reason or engine.exited.is_set():
             return
         self._emit(engine, S.READY, reason="health check passed")
-        self._save(engine)
+        engine.save()
 
     async def _drain(self, engine: Engine, deadline: datetime.datetime) -> None:
-        serving = engine.state == S.READY and not engine.launch.headless
+        launch = engine.record.launch
+        serving = engine.state == S.READY and not launch.headless
         self._emit(engine, S.DRAINING, reason="draining running requests")
-        self._save(engine)
+        engine.save()
         running: float | None = None
         while not engine.exited.is_set() and not engine.stop_reason:
             if not serving:
                 break  # still loading, or a headless rank: no requests of its own
-            running = await self._running_requests(engine)
+            running = await running_requests(launch.metrics_url, engine.adapter.running_metric)
             if running == 0 or _now() >= deadline:
                 break
             await asyncio.sleep(self.config.drain_poll_interval)
@@ -631,15 +499,6 @@ class Supervisor:
         else:
             why = "drained"
         await self._stop(engine, self.config.stop_grace, why)
-
-    async def _running_requests(self, engine: Engine) -> float | None:
-        try:
-            status, body = await http_get(engine.launch.metrics_url, timeout=5.0)
-        except (OSError, TimeoutError):
-            return None
-        if status != 200:
-            return None
-        return metric_value(body.decode(errors="replace"), engine.adapter.running_metric)
 
     async def _stop(self, engine: Engine, grace: float, reason: str) -> None:
         if not engine.stop_reason:
@@ -661,76 +520,21 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(engine.pid, signal.SIGKILL)
 
-    async def _tail_output(self, engine: Engine) -> None:
-        """Follow the engine's output file into the ring buffer and the agent's log."""
-        path = Path(engine.record.output_path)
-        offset = engine.output_offset
-        partial = b""
-        try:
-            while True:
-                offset, partial = self._read_more(engine, path, offset, partial)
-                await asyncio.sleep(0.2)
-        finally:
-            # Whatever the engine wrote last (often why it died) makes the tail.
-            self._read_more(engine, path, offset, partial, final=True)
 
-    def _read_more(
-        self, engine: Engine, path: Path, offset: int, partial: bytes, *, final: bool = False
-    ) -> tuple[int, bytes]:
-        try:
-            size = path.stat().st_size
-            if size < offset:
-                offset = 0  # truncated
-            if size == offset and not (final and partial):
-                return offset, partial
-            with path.open("rb") as f:
-                f.seek(offset)
-                data = f.read(size - offset)
-        except OSError:
-            return offset, partial
-        offset += len(data)
-        data = partial + data
-        lines = data.split(b"\n")
-        partial = lines.pop()
-        if final and partial:
-            lines.append(partial)
-            partial = b""
-        for raw in lines:
-            line = raw.decode(errors="replace").rstrip("\r")
-            engine.output.append(line)
-            engine_log.info(line, shard=engine.shard_id)
-        if offset > self.config.output_file_max_bytes:
-            # The engine appends (O_APPEND), so after truncation it writes at the new end.
-            # Lines written between the read and the truncation are lost; the tail survives.
-            with contextlib.suppress(OSError):
-                os.truncate(path, 0)
-                offset = 0
-        return offset, partial
-
-
-def _refill(engine: Engine, path: Path) -> int:
-    """Fill an adopted engine's ring buffer from the end of its file; the offset to follow."""
-    try:
-        size = path.stat().st_size
-        start = max(0, size - 64 * 1024)
-        with path.open("rb") as f:
-            f.seek(start)
-            recent = f.read(size - start).decode(errors="replace").splitlines()
-    except OSError:
-        return 0
-    # A read that starts mid-file starts mid-line: drop that first fragment.
-    engine.output.extend(recent[1:] if start else recent)
-    return size
-
-
-def _tail(engine: Engine, lines: int) -> str:
-    return "\n".join(list(engine.output)[-lines:])
-
-
-def _file_tail(path: Path, lines: int) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - 64 * 1024))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def load_installed(
+    config: AgentConfig, state_dir: Path, names: tuple[str, ...] = ("vllm", "sglang", "llamacpp")
+) -> dict[str, InstalledEngine]:
+    """Each engine kind's version and flags, as agent.yaml says to read them."""
+    out: dict[str, InstalledEngine] = {}
+    for name in names:
+        engine = getattr(config.engines, name)
+        out[name] = load_engine(
+            name,
+            engine.command,
+            engine.flags_from,
+            state_dir,
+            timeout=config.engine_probe_timeout,
+        )
+        if out[name].error:
+            log.warning("engine unusable", engine=name, error=out[name].error)
+    return out

@@ -14,10 +14,14 @@ import shutil
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmgw_proto import v1
 
 from llmgw_agent.adapters import Adapter, split_host_port
+from llmgw_agent.engine_flags import ParsedArgs
+from llmgw_agent.engines import InstalledEngine
+from llmgw_agent.weights import memory_problems
 
 __all__ = ["NodeView", "Probes", "looks_like_path", "real_probes", "validate"]
 
@@ -34,6 +38,28 @@ class NodeView:
     simulated: bool
     gpus_in_use: Mapping[int, str] = field(default_factory=dict)
     ports_in_use: Mapping[int, str] = field(default_factory=dict)
+    # The engines installed, by adapter name: their version, flags, or why they are unusable.
+    engines: Mapping[str, InstalledEngine] = field(default_factory=dict)
+    # GPU index -> (total, free) bytes, where known.
+    gpu_memory: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _file_sizes(path: str) -> dict[str, int]:
+    """Name -> size of the files in a folder (or of the one file ``path`` is)."""
+    p = Path(path).expanduser()
+    try:
+        if p.is_file():
+            return {p.name: p.stat().st_size}
+        return {c.name: c.stat().st_size for c in p.iterdir() if c.is_file()}
+    except OSError:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,8 @@ class Probes:
     which: Callable[[str], str | None]
     port_free: Callable[[str, int], bool]
     path_exists: Callable[[str], bool]
+    read_text: Callable[[str], str | None] = lambda path: None
+    file_sizes: Callable[[str], dict[str, int]] = lambda path: {}
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -66,6 +94,8 @@ def real_probes() -> Probes:
         which=_which,
         port_free=_port_free,
         path_exists=lambda p: os.path.exists(os.path.expanduser(p)),
+        read_text=_read_text,
+        file_sizes=_file_sizes,
     )
 
 
@@ -77,19 +107,28 @@ def looks_like_path(model_ref: str) -> bool:
 def validate(
     start: v1.StartShard,
     adapter: Adapter | None,
+    parsed: ParsedArgs | None,
     command: Sequence[str],
     node: NodeView,
     probes: Probes,
     *,
     bind_host: str,
 ) -> list[str]:
-    """Every problem with ``start``; empty means it may be launched."""
+    """Every problem with ``start``; empty means it may be launched.
+
+    ``parsed`` is engine_args read against the installed engine's flags; None when the
+    engine's flags are unknown (``node.engines`` says why).
+    """
     problems: list[str] = []
     if not start.shard_id:
         problems.append("shard_id is empty")
     if adapter is None:
         return [*problems, f"unknown engine kind {start.engine!r}"]
     engine = adapter.name
+    installed = node.engines.get(engine)
+    if parsed is None:
+        why = installed.error if installed is not None else "its flags were not read"
+        problems.append(f"{engine} cannot be used on this node: {why}")
     if not command or probes.which(command[0]) is None:
         exe = command[0] if command else ""
         problems.append(
@@ -107,7 +146,10 @@ def validate(
     problems += _check_port(start, node, probes, bind_host)
     problems += _check_gpus(start, adapter, node)
     problems += _check_multi_node(start, adapter)
-    problems += _check_args(start, adapter)
+    if parsed is not None:
+        problems += _check_args(start, adapter, parsed)
+        if not any(p.startswith("engine_args:") or "parallel" in p for p in problems):
+            problems += _check_model(start, adapter, parsed, node, probes)
     for name in _RESERVED_ENV:
         if name in start.env:
             problems.append(f"env sets {name}, which the agent sets from gpu_indices")
@@ -163,11 +205,13 @@ def _check_multi_node(start: v1.StartShard, adapter: Adapter) -> list[str]:
     return problems
 
 
-def _check_args(start: v1.StartShard, adapter: Adapter) -> list[str]:
-    parsed = adapter.parse(start.engine_args)
+def _check_args(start: v1.StartShard, adapter: Adapter, parsed: ParsedArgs) -> list[str]:
     problems = [f"engine_args: {e} for {adapter.name}" for e in parsed.errors]
-    for flag in sorted(adapter.reserved & parsed.values.keys()):
-        problems.append(f"engine_args: {flag} is set by the agent from the StartShard")
+    # Any spelling of a reserved option counts (-tp for --tensor-parallel-size, …).
+    reserved = [o for r in adapter.reserved if (o := parsed.spec.option(r)) is not None]
+    for key, given in sorted(parsed.given.items()):
+        if any(parsed.spec.option(key) is o for o in reserved):
+            problems.append(f"engine_args: {given} is set by the agent from the StartShard")
     if start.cpu_threads and parsed.has("--threads"):
         problems.append("engine_args: --threads conflicts with cpu_threads; give one of them")
     if not adapter.tp_flag:
@@ -195,3 +239,15 @@ def _check_args(start: v1.StartShard, adapter: Adapter) -> list[str]:
             f"but the shard has {gpus} GPUs ({where})"
         )
     return problems
+
+
+def _check_model(
+    start: v1.StartShard, adapter: Adapter, parsed: ParsedArgs, node: NodeView, probes: Probes
+) -> list[str]:
+    """What a local model's own files say before minutes of loading would."""
+    if not looks_like_path(start.model_ref) or not probes.path_exists(start.model_ref):
+        return []
+    tp, pp = adapter.parallel_sizes(start, parsed)
+    return memory_problems(
+        start, adapter, parsed, tp * pp, node.gpu_memory, probes.read_text, probes.file_sizes
+    )

@@ -259,9 +259,13 @@ class Cluster(SystemView):
             "simulate_gpus": {"count": gpus, "name": "NVIDIA H200", "memory": "141GB"},
             "engine_host": "127.0.0.1",
             "engines": {
-                "vllm": {"command": [bin_path("llmgw-sim"), "vllm"]},
+                # The simulator takes the captured real engines' flags (llmgw_agent/engine_help).
+                "vllm": {"command": [bin_path("llmgw-sim"), "vllm"], "flags_from": "captured"},
                 "sglang": {"command": [bin_path("llmgw-sim"), "sglang"]},
-                "llamacpp": {"command": [bin_path("llmgw-sim"), "llama-server"]},
+                "llamacpp": {
+                    "command": [bin_path("llmgw-sim"), "llama-server"],
+                    "flags_from": "captured",
+                },
             },
             "state_dir": str(self.state_dir(node_id)),
             "stop_grace": "5s",

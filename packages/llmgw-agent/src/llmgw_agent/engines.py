@@ -1,0 +1,172 @@
+"""The engines installed on this node: kind, version, and the flags each accepts.
+
+Read from the engines themselves: ``--version`` (or the package metadata for
+``python -m sglang.launch_server``) each time the agent starts, and the help text once per
+engine executable and version, cached under ``state_dir/engine-help/`` because vLLM's
+takes tens of seconds to print. An engine whose help cannot be read is kept with its
+error: Register carries it and every profile for it fails validation with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from llmgw_proto import v1
+
+from llmgw_agent.engine_flags import FlagSpec, captured_text, parse_help
+
+__all__ = ["InstalledEngine", "help_argv", "load_engine", "parse_version", "version_argv"]
+
+log = structlog.get_logger(__name__)
+
+KIND_OF = {"vllm": v1.EngineKind.VLLM, "sglang": v1.EngineKind.SGLANG}
+KIND_OF["llamacpp"] = v1.EngineKind.LLAMACPP
+
+# (argv, timeout) -> (exit code, stdout + stderr)
+Runner = Callable[[Sequence[str], float], tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class InstalledEngine:
+    kind: str
+    executable: str
+    version: str = ""
+    spec: FlagSpec | None = None
+    # Why the engine cannot be used; its profiles fail validation with it.
+    error: str = ""
+
+    def info(self) -> v1.EngineInfo:
+        return v1.EngineInfo(
+            kind=KIND_OF[self.kind],
+            version=self.version,
+            executable=self.executable,
+            error=self.error,
+        )
+
+
+def _run(argv: Sequence[str], timeout: float) -> tuple[int, str]:
+    done = subprocess.run(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+        # The width the captured help texts were printed at.
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    return done.returncode, (done.stdout + done.stderr).decode(errors="replace")
+
+
+def _python_module(command: Sequence[str]) -> str | None:
+    """``sglang`` for ``python -m sglang.launch_server``."""
+    if len(command) >= 3 and command[1] == "-m":
+        return command[2].split(".")[0]
+    return None
+
+
+def version_argv(kind: str, command: Sequence[str]) -> list[str]:
+    module = _python_module(command)
+    if kind == "sglang" and module:
+        # Importing sglang takes long and needs a GPU library: ask the package metadata.
+        code = f"import importlib.metadata as m; print(m.version({module!r}))"
+        return [command[0], "-c", code]
+    return [*command, "--version"]
+
+
+def help_argv(kind: str, command: Sequence[str]) -> list[str]:
+    if kind == "vllm":
+        return [*command, "serve", "--help=all"]
+    return [*command, "--help"]
+
+
+def parse_version(kind: str, text: str) -> str:
+    """The version an engine printed: ``0.32.0``, or llama.cpp's build as ``b11434``."""
+    if kind == "llamacpp":
+        match = re.search(r"version:\s*(\d+)", text)
+        return f"b{match.group(1)}" if match else ""
+    found = re.findall(r"^\s*v?(\d+\.\d+(?:\.\d+)?(?:[.+\-\w]*)?)\s*$", text, re.MULTILINE)
+    return found[-1] if found else ""
+
+
+def _executable(command: Sequence[str]) -> str:
+    exe = command[0] if command else ""
+    if os.sep in exe:
+        return exe
+    return shutil.which(exe) or exe
+
+
+def load_engine(
+    kind: str,
+    command: Sequence[str],
+    flags_from: str,
+    state_dir: Path,
+    *,
+    timeout: float = 300.0,
+    run: Runner = _run,
+) -> InstalledEngine:
+    """Read one engine's version and flags; problems end up in ``error``, never raised."""
+    exe = _executable(command)
+    source = flags_from.strip()
+    if source.startswith("captured"):
+        _, _, wanted = source.partition(":")
+        try:
+            version, text = captured_text(kind, wanted or None)
+            return InstalledEngine(kind, exe, version, parse_help(kind, text, version=version))
+        except (LookupError, ValueError) as err:
+            return InstalledEngine(kind, exe, error=f"flags_from {source!r}: {err}")
+    if source:
+        path = Path(source).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            return InstalledEngine(kind, exe, "", parse_help(kind, text))
+        except (OSError, ValueError) as err:
+            return InstalledEngine(kind, exe, error=f"flags_from {source!r}: {err}")
+    if not command or (not (os.sep in exe and os.access(exe, os.X_OK)) and not shutil.which(exe)):
+        return InstalledEngine(kind, exe, error=f"engine executable {exe!r} not found on PATH")
+    try:
+        code, out = run(version_argv(kind, command), timeout)
+    except (OSError, subprocess.SubprocessError) as err:
+        code, out = -1, str(err)
+    version = parse_version(kind, out) if code == 0 or kind == "llamacpp" else ""
+    if not version:
+        # The flags still come from the engine; only the cache needs a version.
+        last = out.strip().splitlines()[-1:] or ["no output"]
+        log.warning("cannot read the engine version", engine=kind, exit=code, last=last[0][:200])
+    key = hashlib.sha256(os.path.realpath(exe).encode()).hexdigest()[:12]
+    cache = state_dir / "engine-help" / f"{kind}-{version}-{key}.txt" if version else None
+    text = ""
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            text = cache.read_text(encoding="utf-8")
+    if not text:
+        argv = help_argv(kind, command)
+        try:
+            code, text = run(argv, timeout)
+        except (OSError, subprocess.SubprocessError) as err:
+            return InstalledEngine(
+                kind, exe, version, error=f"cannot read `{' '.join(argv)}`: {err}"
+            )
+        if code != 0:
+            return InstalledEngine(kind, exe, version, error=f"`{' '.join(argv)}` exited {code}")
+    try:
+        spec = parse_help(kind, text, version=version)
+    except ValueError as err:
+        return InstalledEngine(kind, exe, version, error=str(err))
+    if cache is not None and not cache.exists():
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, cache)
+        except OSError as err:
+            log.warning("cannot cache the engine help", path=str(cache), error=str(err))
+    return InstalledEngine(kind, exe, version, spec)

@@ -1,0 +1,27 @@
+"""Asking an engine over HTTP: is it ready, how many requests does it run."""
+
+from __future__ import annotations
+
+from llmgw_agent.probe import http_get, metric_value
+
+__all__ = ["health_status", "running_requests"]
+
+
+async def health_status(url: str, *, timeout: float) -> int:
+    """The health endpoint's HTTP status; 0 when nothing answered."""
+    try:
+        status, _ = await http_get(url, timeout=timeout)
+    except (OSError, TimeoutError):
+        return 0
+    return status
+
+
+async def running_requests(metrics_url: str, metric: str) -> float | None:
+    """The engine's own count of running requests; None when it cannot be read."""
+    try:
+        status, body = await http_get(metrics_url, timeout=5.0)
+    except (OSError, TimeoutError):
+        return None
+    if status != 200:
+        return None
+    return metric_value(body.decode(errors="replace"), metric)

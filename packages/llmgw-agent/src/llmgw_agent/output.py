@@ -1,0 +1,94 @@
+"""Following an engine's output file into a ring buffer and the agent's own log.
+
+Engines write to a file, never a pipe (a pipe would die with the agent and take the
+engine with it). The file is truncated past a size limit; the last lines stay in memory
+for the output tail of a FAILED status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections import deque
+from pathlib import Path
+
+import structlog
+
+__all__ = ["OutputFollower", "file_tail"]
+
+engine_log = structlog.get_logger("llmgw_agent.engine")
+
+
+class OutputFollower:
+    def __init__(self, path: Path, shard_id: str, *, lines: int, max_bytes: int) -> None:
+        self.path = path
+        self.shard_id = shard_id
+        self.lines: deque[str] = deque(maxlen=lines)
+        self.max_bytes = max_bytes
+        self.offset = 0
+        self._partial = b""
+
+    def refill(self) -> None:
+        """Fill the buffer from the end of an existing file (an adopted engine's history)."""
+        try:
+            size = self.path.stat().st_size
+            start = max(0, size - 64 * 1024)
+            with self.path.open("rb") as f:
+                f.seek(start)
+                recent = f.read(size - start).decode(errors="replace").splitlines()
+        except OSError:
+            return
+        # A read that starts mid-file starts mid-line: drop that first fragment.
+        self.lines.extend(recent[1:] if start else recent)
+        self.offset = size
+
+    def tail(self, lines: int) -> str:
+        return "\n".join(list(self.lines)[-lines:])
+
+    async def follow(self) -> None:
+        """Until cancelled; whatever the engine wrote last (often why it died) is read."""
+        try:
+            while True:
+                self.read_more()
+                await asyncio.sleep(0.2)
+        finally:
+            self.read_more(final=True)
+
+    def read_more(self, *, final: bool = False) -> None:
+        try:
+            size = self.path.stat().st_size
+            if size < self.offset:
+                self.offset = 0  # truncated
+            if size == self.offset and not (final and self._partial):
+                return
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read(size - self.offset)
+        except OSError:
+            return
+        self.offset += len(data)
+        chunks = (self._partial + data).split(b"\n")
+        self._partial = chunks.pop()
+        if final and self._partial:
+            chunks.append(self._partial)
+            self._partial = b""
+        for raw in chunks:
+            line = raw.decode(errors="replace").rstrip("\r")
+            self.lines.append(line)
+            engine_log.info(line, shard=self.shard_id)
+        if self.offset > self.max_bytes:
+            # The engine appends (O_APPEND), so after truncation it writes at the new end.
+            # Lines written between the read and the truncation are lost; the tail survives.
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, 0)
+                self.offset = 0
+
+
+def file_tail(path: Path, lines: int) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 64 * 1024))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
