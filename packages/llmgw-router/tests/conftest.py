@@ -8,6 +8,7 @@ endpoint that counts cancelled requests, and its id in every answer.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import sys
 import time
@@ -185,19 +186,35 @@ def _upstream_main(argv: list[str]) -> None:
 
 
 def _control_main(argv: list[str]) -> None:
-    """A scripted control plane: serves `EndpointService.Watch` on real gRPC.
+    """A scripted control plane: serves `EndpointService` on real gRPC.
 
-    It publishes the snapshot in ``--snapshot`` (JSON: version, endpoints) on subscribe
-    and again whenever the file changes, and prints each subscription.
+    It publishes the snapshot in ``--snapshot`` (JSON: version, endpoints, models) on
+    subscribe and again whenever the file changes, streams the load figures in
+    ``--loads`` (JSON: a list of EndpointLoad fields) as full updates every 100 ms while
+    the file exists, prints each subscription and each demand report. With ``--leader
+    ADDR`` it is a standby: every call gets UNAVAILABLE with ``llmgw-leader: ADDR``.
     """
     import argparse
 
-    from grpclib.server import Server
-    from llmgw_proto.v1 import Endpoint, EndpointServiceBase, EndpointSnapshot, WatchRequest
+    import grpclib.const
+    from grpclib.server import Server, Stream
+    from llmgw_proto.v1 import (
+        DeclaredModel,
+        DemandReply,
+        DemandRequest,
+        Endpoint,
+        EndpointLoad,
+        EndpointServiceBase,
+        EndpointSnapshot,
+        LoadUpdate,
+        WatchRequest,
+    )
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--snapshot", type=Path, required=True)
+    parser.add_argument("--loads", type=Path)
+    parser.add_argument("--leader")
     parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CA"), type=Path)
     args = parser.parse_args(argv)
 
@@ -220,8 +237,40 @@ def _control_main(argv: list[str]) -> None:
                     node_id=ep.get("node_id", ""),
                     replica_id=ep.get("replica_id", ""),
                     health_path="/health",
+                    generation=ep.get("generation", 0),
                 )
                 for ep in data["endpoints"]
+            ],
+            models=[
+                DeclaredModel(
+                    name=m["name"],
+                    served_model_names=m.get("served_model_names", [m["name"]]),
+                    scale_to_zero=m.get("scale_to_zero", False),
+                )
+                for m in data.get("models", [])
+            ],
+        )
+
+    def read_loads() -> LoadUpdate | None:
+        if args.loads is None:
+            return None
+        try:
+            items = json.loads(args.loads.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return LoadUpdate(
+            full=True,
+            loads=[
+                EndpointLoad(
+                    endpoint_id=item["endpoint_id"],
+                    known=item.get("known", True),
+                    running=item.get("running", 0),
+                    waiting=item.get("waiting", 0),
+                    kv_cache_usage=item.get("kv_cache_usage", 0.0),
+                    generation=item.get("generation", 0),
+                    age=datetime.timedelta(seconds=item.get("age", 0.0)),
+                )
+                for item in items
             ],
         )
 
@@ -240,10 +289,41 @@ def _control_main(argv: list[str]) -> None:
                     yield snapshot
                 await asyncio.sleep(0.05)
 
+        async def watch_load(self, message: WatchRequest) -> Any:
+            print(f"load subscribed router_id={message.router_id}", flush=True)
+            while True:
+                update = read_loads()
+                if update is not None:
+                    yield update
+                await asyncio.sleep(0.1)
+
+        async def report_demand(self, message: DemandRequest) -> DemandReply:
+            print(f"demand model={message.model} held={message.held}", flush=True)
+            return DemandReply(accepted=True)
+
+    class Standby:
+        """Answers every call UNAVAILABLE and names the leader in trailing metadata."""
+
+        def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+            async def refuse(stream: Stream[Any, Any]) -> None:
+                await stream.recv_message()
+                print("refused as standby", flush=True)
+                await stream.send_trailing_metadata(
+                    status=grpclib.const.Status.UNAVAILABLE,
+                    status_message="standby",
+                    metadata={"llmgw-leader": args.leader},
+                )
+
+            real = Scripted().__mapping__()
+            return {
+                route: grpclib.const.Handler(refuse, h.cardinality, h.request_type, h.reply_type)
+                for route, h in real.items()
+            }
+
     async def serve() -> None:
         from llmgw_proto.tls import server_context
 
-        server = Server([Scripted()])
+        server = Server([Standby() if args.leader else Scripted()])
         ssl = server_context(*args.tls) if args.tls else None
         await server.start("127.0.0.1", args.port, ssl=ssl)
         print(f"control on {args.port}", flush=True)
@@ -352,7 +432,13 @@ def start_router(
     grace: float = 15.0,
 ) -> Router:
     port, admin_port = free_port(), free_port()
-    config = {"listen": f"127.0.0.1:{port}", "admin_listen": f"127.0.0.1:{admin_port}", **config}
+    # One process unless a test asks for more (the `workers` fixture).
+    config = {
+        "listen": f"127.0.0.1:{port}",
+        "admin_listen": f"127.0.0.1:{admin_port}",
+        "workers": 1,
+        **config,
+    }
     path = tmp_path / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     argv = [ROUTER, "serve", "--config", str(path), "--log-format", "json", *flags]
@@ -390,11 +476,18 @@ def spawn_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
 
 
 @pytest.fixture
-def spawn_router(tmp_path: Path) -> Iterator[Callable[..., Router]]:
+def workers() -> int:
+    """Router processes for `spawn_router`; `@pytest.mark.parametrize("workers", [1, 2])`."""
+    return 1
+
+
+@pytest.fixture
+def spawn_router(tmp_path: Path, workers: int) -> Iterator[Callable[..., Router]]:
     """Start routers: ``spawn_router(config_dict, *flags, wait_ready=True)``."""
     started: list[Router] = []
 
     def spawn(config: dict[str, Any], *flags: str, wait_ready: bool = True) -> Router:
+        config = {"workers": workers, **config}
         r = start_router(tmp_path, config, *flags, wait_ready=wait_ready)
         started.append(r)
         return r
@@ -415,15 +508,24 @@ class Control:
     tmp_path: Path
     proc: Proc | None = None
     tls: tuple[Path, Path, Path] | None = None
+    # A standby: every call is refused with this leader address.
+    leader: str | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def loads_path(self) -> Path:
+        return self.snapshot_path.with_name(self.snapshot_path.stem + "-loads.json")
+
     def start(self) -> None:
         argv = [sys.executable, __file__, "control", "--port", str(self.port)]
+        argv += ["--loads", str(self.loads_path)]
         if self.tls:
             argv += ["--tls", *map(str, self.tls)]
+        if self.leader:
+            argv += ["--leader", self.leader]
         self.proc = Proc(
             [*argv, "--snapshot", str(self.snapshot_path)], log_dir=self.tmp_path, name="control"
         )
@@ -433,14 +535,37 @@ class Control:
         if self.proc is not None:
             self.proc.stop()
 
-    def publish(self, version: int, *ups: Upstream, model: str = "m1") -> None:
+    def publish(
+        self,
+        version: int,
+        *ups: Upstream,
+        model: str = "m1",
+        models: list[dict[str, Any]] | None = None,
+        generations: dict[str, int] | None = None,
+    ) -> None:
         endpoints = [
-            {"id": f"{up.id}-replica", "url": up.url, "models": [model], "node_id": f"node-{up.id}"}
+            {
+                "id": f"{up.id}-replica",
+                "url": up.url,
+                "models": [model],
+                "node_id": f"node-{up.id}",
+                "generation": (generations or {}).get(up.id, 0),
+            }
             for up in ups
         ]
+        body = {"version": version, "endpoints": endpoints, "models": models or []}
         tmp = self.snapshot_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": version, "endpoints": endpoints}))
+        tmp.write_text(json.dumps(body))
         tmp.replace(self.snapshot_path)
+
+    def set_loads(self, loads: list[dict[str, Any]] | None) -> None:
+        """Stream these EndpointLoad figures (None: stop sending any)."""
+        if loads is None:
+            self.loads_path.unlink(missing_ok=True)
+            return
+        tmp = self.loads_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(loads))
+        tmp.replace(self.loads_path)
 
     def output(self) -> str:
         return self.proc.output() if self.proc is not None else ""

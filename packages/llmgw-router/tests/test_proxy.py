@@ -320,6 +320,9 @@ def test_retries_on_5xx_hangs_and_connect_errors(
             e2.entry(["m1"]),
             {"id": "dead", "url": f"http://127.0.0.1:{dead}", "models": ["m1"]},
         ],
+        # Random spreading, so that the dead endpoint is tried: cache_aware (the default)
+        # would send these identical prompts to one endpoint.
+        "balancer": "least_outstanding",
         "deadlines": {"first_byte": "1s"},
         "retries": {"max_retries": 3},
         "ejection": {"consecutive_failures": 2, "base_time": "30s"},

@@ -49,13 +49,20 @@ async def test_snapshots_drive_the_endpoint_set(
     e1, e2 = upstreams
     router = await asyncio.to_thread(spawn_router, watch_config(control), wait_ready=False)
     async with httpx.AsyncClient(timeout=30) as http:
-        # Subscribed, nothing published yet: alive but not ready, and no model.
+        # Subscribed, nothing published yet: alive but not ready, and no model: a 503
+        # that says why (issue 13.7), not a 404 for a model that may well exist.
         await asyncio.to_thread(
             control.proc.wait_output, "subscribed router_id=router-under-test known_version=0"
         )
         assert (await http.get(router.admin + "/readyz")).status_code == 503
         r = await http.post(router.url + "/v1/chat/completions", json={"model": "m1"})
-        assert r.status_code == 404
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "control_plane_unavailable"
+        assert (
+            f"no endpoint snapshot yet from the control plane at {control.address}"
+            in r.json()["error"]["message"]
+        )
 
         control.publish(1, e1)
         await asyncio.to_thread(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -10,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmgw_router.proxy import RouterState
+from llmgw_router.endpoints import Endpoint
+from llmgw_router.state import RouterState
 
 __all__ = ["admin_app"]
 
@@ -25,10 +27,28 @@ def admin_app(state: RouterState) -> Starlette:
             state.metrics.endpoints.labels(name).set(count)
         # In-flight counts live on the endpoints; the gauge is filled in at scrape time
         # rather than moved twice on every request.
-        in_flight = state.metrics.in_flight
+        metrics = state.metrics
+        in_flight = metrics.in_flight
         in_flight.clear()
+        for gauge in (
+            metrics.engine_running,
+            metrics.engine_waiting,
+            metrics.engine_kv_cache_usage,
+            metrics.endpoint_load,
+            metrics.held,
+        ):
+            gauge.clear()
         for ep in state.endpoints.endpoints:
             in_flight.labels(ep.id).set(ep.outstanding)
+            engine = ep.fresh_engine(now)
+            if engine is not None:
+                metrics.engine_running.labels(ep.id).set(engine.running)
+                metrics.engine_waiting.labels(ep.id).set(engine.waiting)
+                metrics.engine_kv_cache_usage.labels(ep.id).set(engine.kv_cache_usage)
+            source = "engine" if engine is not None else "router"
+            metrics.endpoint_load.labels(ep.id, source).set(ep.load)
+        for model, held in state.held.items():
+            metrics.held.labels(model).set(held)
 
     async def metrics(request: Request) -> Response:
         refresh_gauges()
@@ -47,6 +67,20 @@ def admin_app(state: RouterState) -> Starlette:
             {"ready": True, "endpoints": len(endpoints), "version": endpoints.version}
         )
 
+    def engine_view(ep: Endpoint, now: float) -> dict[str, Any] | None:
+        engine = ep.fresh_engine(now)
+        if engine is None:
+            return None
+        return {
+            "running": engine.running,
+            "waiting": engine.waiting,
+            "kv_cache_usage": round(engine.kv_cache_usage, 4),
+            "prefix_cache_queries": engine.prefix_cache_queries,
+            "prefix_cache_hits": engine.prefix_cache_hits,
+            "generation": engine.generation,
+            "age": round(now - engine.measured_at, 3),
+        }
+
     async def endpoints(request: Request) -> Response:
         now = time.monotonic()
         current = state.endpoints
@@ -54,6 +88,16 @@ def admin_app(state: RouterState) -> Starlette:
             {
                 "version": current.version,
                 "source": current.source,
+                "balancer": state.config.balancer,
+                "control": {
+                    "address": state.control.address,
+                    "connected": state.control.connected,
+                    "reason": state.control.reason,
+                }
+                if state.config.control is not None
+                else None,
+                "declared": dict(current.declared),
+                "held": dict(state.held),
                 "endpoints": [
                     {
                         "id": ep.id,
@@ -69,6 +113,15 @@ def admin_app(state: RouterState) -> Starlette:
                         "consecutive_failures": ep.outlier.consecutive_failures,
                         "ejections": ep.outlier.ejections,
                         "ejected_for": round(max(0.0, ep.outlier.ejected_until - now), 3),
+                        # Routing that sees the engines: their last report (null when
+                        # unknown or older than load_reports.max_age), this router's
+                        # requests since it, and the load the balancer weighs.
+                        "engine": engine_view(ep, now),
+                        "sent_since_report": ep.sent_since_report,
+                        "load": round(ep.load, 4),
+                        "load_source": "engine" if ep.fresh_engine(now) else "router",
+                        "generation": ep.generation,
+                        "cached_blocks": ep.cached_blocks,
                     }
                     for ep in current.endpoints
                 ],

@@ -1,8 +1,8 @@
 """Balancers: which endpoint of a model's candidates takes the next request.
 
 Pure: a balancer sees the candidates, a predicate that says which are usable now,
-and an optional session key. It never returns an unusable endpoint; it returns
-None only when no candidate is usable.
+an optional session key and the request's prompt prefix blocks (see prefix.py). It
+never returns an unusable endpoint; it returns None only when no candidate is usable.
 """
 
 from __future__ import annotations
@@ -10,13 +10,20 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from llmgw_router.config import CacheAwareConfig
 
 __all__ = [
     "Balancer",
+    "CacheAware",
     "Candidate",
     "LeastOutstanding",
+    "LoadedCandidate",
     "RoundRobin",
     "SessionAffinity",
     "make_balancer",
@@ -38,9 +45,16 @@ C = TypeVar("C", bound=Candidate)
 
 class Balancer(Generic[C]):
     def pick(
-        self, candidates: Sequence[C], usable: Callable[[C], bool], key: str | None
+        self,
+        candidates: Sequence[C],
+        usable: Callable[[C], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
     ) -> C | None:
         raise NotImplementedError
+
+    def forget(self, endpoint_id: str) -> None:
+        """The engine behind ``endpoint_id`` changed: drop what was learnt about it."""
 
 
 def _two_distinct(usable: Sequence[C], rng: random.Random) -> tuple[C, C]:
@@ -78,7 +92,11 @@ class LeastOutstanding(Balancer[C]):
         self.rng = rng or random.Random()
 
     def pick(
-        self, candidates: Sequence[C], usable: Callable[[C], bool], key: str | None
+        self,
+        candidates: Sequence[C],
+        usable: Callable[[C], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
     ) -> C | None:
         return least_outstanding([c for c in candidates if usable(c)], self.rng)
 
@@ -90,7 +108,11 @@ class RoundRobin(Balancer[C]):
         self.counter = 0
 
     def pick(
-        self, candidates: Sequence[C], usable: Callable[[C], bool], key: str | None
+        self,
+        candidates: Sequence[C],
+        usable: Callable[[C], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
     ) -> C | None:
         ready = [c for c in candidates if usable(c)]
         if not ready:
@@ -127,7 +149,11 @@ class SessionAffinity(Balancer[C]):
         self.rng = rng or random.Random()
 
     def pick(
-        self, candidates: Sequence[C], usable: Callable[[C], bool], key: str | None
+        self,
+        candidates: Sequence[C],
+        usable: Callable[[C], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
     ) -> C | None:
         if key:
             owner = rendezvous_owner(candidates, key)
@@ -136,7 +162,199 @@ class SessionAffinity(Balancer[C]):
         return least_outstanding([c for c in candidates if usable(c)], self.rng)
 
 
-def make_balancer(name: str, rng: random.Random | None = None) -> Balancer[C]:
+class LoadedCandidate(Candidate, Protocol):
+    @property
+    def load(self) -> float: ...
+    @property
+    def generation(self) -> int: ...
+
+
+L = TypeVar("L", bound=LoadedCandidate)
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit value, the same in every process."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class _PrefixIndex:
+    """Prefix blocks this router recently sent to one endpoint, least recent first."""
+
+    __slots__ = ("blocks", "generation")
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, prefix: Sequence[int]) -> int:
+        """How many leading blocks of ``prefix`` were sent here.
+
+        Block hashes are chained (each covers the whole prefix up to it) and a prefix is
+        recorded deepest block first, so its shallow blocks are evicted last: presence is
+        monotone along the prefix and a binary search finds its end.
+        """
+        blocks = self.blocks
+        if not prefix or prefix[0] not in blocks:
+            return 0
+        lo, hi = 1, len(prefix)  # prefix[:lo] matched; prefix[hi:] not known to
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prefix[mid - 1] in blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def record(self, prefix: Sequence[int], capacity: int) -> None:
+        blocks = self.blocks
+        for block in reversed(prefix):
+            if block in blocks:
+                blocks.move_to_end(block)
+            else:
+                blocks[block] = None
+        while len(blocks) > capacity:
+            blocks.popitem(last=False)
+
+
+class CacheAware(Balancer[L]):
+    """Prefix affinity bounded by load: the default balancer.
+
+    - Affinity: the request's prefix blocks (chained hashes of its prompt, see prefix.py)
+      rank the endpoints by rendezvous hashing of the block at depth ``affinity_blocks``
+      (or the last, for shorter prompts), so routers that never talk agree on where a
+      prefix goes. What this router itself sent refines that: an endpoint that was sent
+      more of this prefix than the rendezvous block covers ranks first.
+    - Load: each candidate's ``load`` (the engine's running + waiting requests and KV use
+      plus this router's requests since that report, or this router's own in-flight count
+      when the engine's figures are unknown or stale).
+    - Bounded load: the first endpoint in that ranking whose load, with this request, stays
+      within ``ceil((1 + epsilon) * (total + 1) * weight / total_weight)`` takes it; so one
+      hot prefix spreads over as many endpoints as its load needs, in the same order on
+      every router. When none is within the bound (never with whole-number loads), the
+      least loaded takes it.
+    - Without a prefix (embeddings), the least loaded takes it.
+
+    An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
+    """
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = 0.25,
+        affinity_blocks: int = 16,
+        index_blocks: int = 16384,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.epsilon = epsilon
+        self.affinity_blocks = affinity_blocks
+        self.index_blocks = index_blocks
+        self.rng = rng or random.Random()
+        self._indexes: dict[str, _PrefixIndex] = {}
+        self._id_hashes: dict[str, int] = {}
+
+    # -------------------------------------------------------------- prefix state
+
+    def forget(self, endpoint_id: str) -> None:
+        self._indexes.pop(endpoint_id, None)
+
+    def _index(self, c: L) -> _PrefixIndex | None:
+        index = self._indexes.get(c.id)
+        if index is not None and index.generation != c.generation:
+            del self._indexes[c.id]
+            return None
+        return index
+
+    def matched(self, c: L, prefix: Sequence[int]) -> int:
+        """Leading blocks of ``prefix`` this router sent to ``c`` (its current engine)."""
+        index = self._index(c)
+        return index.match(prefix) if index is not None else 0
+
+    def _record(self, c: L, prefix: Sequence[int]) -> None:
+        if not prefix or self.index_blocks <= 0:
+            return
+        index = self._index(c)
+        if index is None:
+            if len(self._indexes) >= 4096:
+                # Endpoints come and go; the oldest entry is the likeliest to be gone.
+                self._indexes.pop(next(iter(self._indexes)))
+            index = self._indexes[c.id] = _PrefixIndex(c.generation)
+        index.record(prefix, self.index_blocks)
+
+    def _score(self, key: int, c: L) -> float:
+        ident = self._id_hashes.get(c.id)
+        if ident is None:
+            raw = c.id.encode()
+            ident = self._id_hashes[c.id] = zlib.crc32(raw) | (zlib.adler32(raw) << 32)
+        unit = (_mix(key ^ ident) + 1) / (2**64 + 2)
+        return max(1, c.weight) / -math.log(unit)
+
+    # -------------------------------------------------------------- the pick
+
+    def bound(self, ready: Sequence[L]) -> Callable[[L], bool]:
+        """Whether a candidate may take one more request under the load bound."""
+        total = sum(c.load for c in ready)
+        weight = sum(max(1, c.weight) for c in ready)
+        per_weight = (1.0 + self.epsilon) * (total + 1.0) / weight
+
+        def allowed(c: L) -> bool:
+            return c.load + 1.0 <= math.ceil(per_weight * max(1, c.weight))
+
+        return allowed
+
+    def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
+        """``ready`` in affinity order for ``prefix``: the same on every router."""
+        depth = min(len(prefix), self.affinity_blocks)
+        key = prefix[depth - 1]
+        ranked = []
+        for c in ready:
+            match = self.matched(c, prefix)
+            ranked.append((match if match > depth else 0, self._score(key, c), c.id, c))
+        ranked.sort(key=lambda r: (-r[0], -r[1], r[2]))
+        return [r[3] for r in ranked]
+
+    def pick(
+        self,
+        candidates: Sequence[L],
+        usable: Callable[[L], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
+    ) -> L | None:
+        ready = [c for c in candidates if usable(c)]
+        if not ready:
+            return None
+        chosen: L | None = None
+        if len(ready) == 1:
+            chosen = ready[0]
+        elif prefix:
+            allowed = self.bound(ready)
+            order = self.ranking(ready, prefix)
+            chosen = next((c for c in order if allowed(c)), None)
+            if chosen is None:
+                # Ties go to the earlier in the ranking: still the same on every router.
+                chosen = min(order, key=lambda c: c.load / max(1, c.weight))
+        else:
+            least = min(c.load / max(1, c.weight) for c in ready)
+            chosen = self.rng.choice([c for c in ready if c.load / max(1, c.weight) == least])
+        self._record(chosen, prefix)
+        return chosen
+
+
+def make_balancer(
+    name: str, rng: random.Random | None = None, *, cache_aware: CacheAwareConfig | None = None
+) -> Balancer[Any]:
+    if name == "cache_aware":
+        if cache_aware is None:
+            return CacheAware()
+        return CacheAware(
+            epsilon=cache_aware.epsilon,
+            affinity_blocks=cache_aware.affinity_blocks,
+            index_blocks=cache_aware.index_blocks,
+        )
     if name == "least_outstanding":
         return LeastOutstanding(rng)
     if name == "round_robin":

@@ -8,19 +8,25 @@ valid router. Cross-field rules that msgspec cannot express are checked in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+from llmgw_proto.addr import HostPort, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
+from llmgw_proto.tls import TlsConfig
 
 __all__ = [
     "AffinityConfig",
+    "CacheAwareConfig",
     "ControlConfig",
     "Deadlines",
     "DeadlinesOverride",
     "EjectionConfig",
     "EndpointConfig",
     "HealthCheckConfig",
+    "HoldConfig",
+    "LoadReportsConfig",
     "RetryConfig",
     "RouterConfig",
     "TlsConfig",
@@ -28,7 +34,7 @@ __all__ = [
     "validate",
 ]
 
-Balancer = Literal["least_outstanding", "round_robin", "session_affinity"]
+Balancer = Literal["cache_aware", "least_outstanding", "round_robin", "session_affinity"]
 Server = Literal["uvicorn", "hypercorn"]
 
 
@@ -76,6 +82,11 @@ class EjectionConfig(BaseConfig):
     consecutive_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
     base_time: Duration = Duration(5.0)
     max_time: Duration = Duration(300.0)
+    # At most this share of a model's endpoints is ejected at once (one always may be).
+    max_ejection_percent: Annotated[float, msgspec.Meta(ge=0, le=100)] = 50.0
+    # Fewer usable than this share of a model's endpoints: balance over all of them,
+    # ejected or not (panic), rather than answer 503.
+    panic_threshold: Annotated[float, msgspec.Meta(ge=0, le=100)] = 50.0
 
 
 class HealthCheckConfig(BaseConfig):
@@ -94,6 +105,44 @@ class AffinityConfig(BaseConfig):
     header: str = "x-session-id"
 
 
+class CacheAwareConfig(BaseConfig):
+    """The `cache_aware` balancer: prefix affinity bounded by load."""
+
+    # The prompt (chat messages in order, or the completion prompt) is cut into blocks
+    # of this many bytes of the request's JSON; a block is the unit of prefix matching.
+    block_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 128
+    # Rendezvous hashing places a request by its first this-many blocks, so routers
+    # agree on a prefix's endpoint without talking.
+    affinity_blocks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    # Only this many blocks of a prompt are hashed (longer prompts share their start).
+    max_blocks: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    # Bounded load: affinity never sends to an endpoint whose load would exceed
+    # ceil((1 + epsilon) x the model's mean); the next choice takes it instead.
+    epsilon: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.25
+    # Prefix blocks remembered per endpoint of what this router sent (LRU).
+    index_blocks: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 16384
+
+
+class LoadReportsConfig(BaseConfig):
+    """The engines' load figures from the control plane's `EndpointService.WatchLoad`."""
+
+    enabled: bool = True
+    # A figure older than this counts as unknown: the router balances on its own counts.
+    max_age: Duration = Duration(2.0)
+
+
+class HoldConfig(BaseConfig):
+    """Requests for a declared model with no endpoint yet (scale to zero) wait here."""
+
+    enabled: bool = True
+    # How long a request is held before 503 + Retry-After.
+    hold_timeout: Duration = Duration(120.0)
+    # Requests held per model at most; more get 503 + Retry-After at once.
+    max_held: Annotated[int, msgspec.Meta(ge=0)] = 256
+    # How often the router repeats ReportDemand while it holds requests.
+    demand_interval: Duration = Duration(5.0)
+
+
 class EndpointConfig(BaseConfig):
     id: Annotated[str, msgspec.Meta(min_length=1)]
     url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+")]
@@ -103,21 +152,27 @@ class EndpointConfig(BaseConfig):
     health_path: str = "/health"
 
 
-class TlsConfig(BaseConfig):
-    insecure: bool = False
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-
-
 class ControlConfig(BaseConfig):
     """The control plane whose `EndpointService.Watch` feeds the endpoint set."""
 
-    address: Annotated[str, msgspec.Meta(pattern=r"^[^:\s]+:\d+$")]
+    # HOST:PORT of the control plane; a DNS name may resolve to several instances.
+    address: str = ""
+    # Several control-plane instances (high availability): tried in turn, and a
+    # standby's `llmgw-leader` answer is followed to the leader.
+    addresses: list[str] = msgspec.field(default_factory=list)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     router_id: str = ""
     backoff_base: Duration = Duration(0.5)
     backoff_cap: Duration = Duration(30.0)
+
+    def targets(self) -> list[HostPort]:
+        """Every configured control-plane address, `address` first."""
+        raw = ([self.address] if self.address else []) + list(self.addresses)
+        return [parse_hostport(a) for a in raw]
+
+    def describe(self) -> str:
+        raw = ([self.address] if self.address else []) + list(self.addresses)
+        return ", ".join(raw)
 
 
 class ApiKeyConfig(BaseConfig):
@@ -171,8 +226,11 @@ class RouterConfig(BaseConfig):
     listen: str = "0.0.0.0:8080"
     admin_listen: str = "127.0.0.1:9090"
     default_profile: str = ""
-    balancer: Balancer = "least_outstanding"
+    balancer: Balancer = "cache_aware"
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
+    cache_aware: CacheAwareConfig = msgspec.field(default_factory=CacheAwareConfig)
+    load_reports: LoadReportsConfig = msgspec.field(default_factory=LoadReportsConfig)
+    hold: HoldConfig = msgspec.field(default_factory=HoldConfig)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024
     # Bearer tokens: plain strings, or {key, name, models} to limit a key to some models.
     api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
@@ -194,24 +252,24 @@ class RouterConfig(BaseConfig):
     # how long one may idle; under vLLM's own 5 s so the engine never closes one first.
     pool_per_endpoint: Annotated[int, msgspec.Meta(ge=0)] = 0
     keepalive: Duration = Duration(4.0)
+    # Router processes sharing `listen` (SO_REUSEPORT) under one supervisor; unset: one
+    # per core this process may use. 1: a single process, no supervisor.
+    workers: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
 
     def deadlines_for(self, model: str) -> Deadlines:
         override = self.model_deadlines.get(model)
         return self.deadlines if override is None else override.over(self.deadlines)
 
 
-def _host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
 def validate(cfg: RouterConfig, source: str) -> RouterConfig:
     """Rules across fields; raises :class:`ConfigError` naming the field."""
     for name in ("listen", "admin_listen"):
-        if not _host_port(getattr(cfg, name)):
+        try:
+            parse_hostport(getattr(cfg, name))
+        except ValueError as err:
             raise ConfigError(
-                source, f"Expected HOST:PORT, got {getattr(cfg, name)!r}", f"$.{name}"
-            )
+                source, str(err).replace("expected", "Expected", 1), f"$.{name}"
+            ) from None
     seen: set[str] = set()
     for i, ep in enumerate(cfg.endpoints):
         if ep.id in seen:
@@ -220,17 +278,29 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
     if cfg.ejection.max_time < cfg.ejection.base_time:
         raise ConfigError(source, "must be >= ejection.base_time", "$.ejection.max_time")
     if cfg.control is not None:
-        tls = cfg.control.tls
-        if not tls.insecure:
-            for name in ("cert", "key", "ca"):
-                if not getattr(tls, name):
-                    raise ConfigError(
-                        source,
-                        "required unless control.tls.insecure is true (or --insecure)",
-                        f"$.control.tls.{name}",
-                    )
-        if cfg.control.backoff_cap < cfg.control.backoff_base or cfg.control.backoff_base <= 0:
+        control = cfg.control
+        if not control.address and not control.addresses:
+            raise ConfigError(
+                source, "give `address` or `addresses` (HOST:PORT)", "$.control.address"
+            )
+        named = [("$.control.address", control.address)] if control.address else []
+        named += [(f"$.control.addresses[{i}]", a) for i, a in enumerate(control.addresses)]
+        for where, value in named:
+            try:
+                parse_hostport(value)
+            except ValueError as err:
+                raise ConfigError(
+                    source, str(err).replace("expected", "Expected", 1), where
+                ) from None
+        # Missing cert/key/ca: named by field and path, before anything starts.
+        control.tls.check(source, "$.control.tls")
+        if control.backoff_cap < control.backoff_base or control.backoff_base <= 0:
             raise ConfigError(source, "need 0 < backoff_base <= backoff_cap", "$.control")
+    if cfg.api_keys_file:
+        path = Path(cfg.api_keys_file)
+        if not path.is_file():
+            why = "is a directory" if path.is_dir() else "no such file"
+            raise ConfigError(source, f"{why}: {cfg.api_keys_file}", "$.api_keys_file")
     return cfg
 
 

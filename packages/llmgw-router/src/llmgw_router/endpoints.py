@@ -9,12 +9,28 @@ already picked an endpoint keeps that object to the end.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from llmgw_router.outlier import OutlierState
 
-__all__ = ["Endpoint", "EndpointSet", "EndpointSpec"]
+__all__ = ["Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's own figures for one endpoint, as the control plane relayed them."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    generation: int = 0
+    # On the router's clock (time.monotonic): when the engine's figures were read.
+    measured_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +46,15 @@ class EndpointSpec:
     node_id: str = ""
     replica_id: str = ""
     labels: tuple[tuple[str, str], ...] = ()
+    # Changes whenever the engine process behind the endpoint changes (0: not told).
+    generation: int = 0
 
 
 @dataclass(eq=False, slots=True)
 class Endpoint:
+    # A figure older than this counts as unknown (set once from `load_reports.max_age`).
+    load_max_age: ClassVar[float] = 2.0
+
     spec: EndpointSpec
     outstanding: int = 0
     outlier: OutlierState = field(default_factory=OutlierState)
@@ -42,6 +63,14 @@ class Endpoint:
     health_failures: int = 0
     health_successes: int = 0
     removed: bool = False
+    # Engine-reported load (None: never reported, or reported unknown) and the requests
+    # this router sent to it since that report: charged at pick time.
+    engine: EngineLoad | None = None
+    sent_since_report: int = 0
+    # From the engine's KV-cache events (EndpointCache): blocks it holds now.
+    cached_blocks: int = 0
+    # The newest engine generation heard of, from the snapshot or a load report.
+    engine_generation: int = 0
 
     @property
     def id(self) -> str:
@@ -59,6 +88,34 @@ class Endpoint:
     def profile(self) -> str:
         return self.spec.profile
 
+    @property
+    def generation(self) -> int:
+        return max(self.spec.generation, self.engine_generation)
+
+    def fresh_engine(self, now: float) -> EngineLoad | None:
+        """The engine's figures when they are recent enough to balance on."""
+        engine = self.engine
+        if engine is None or now - engine.measured_at > self.load_max_age:
+            return None
+        return engine
+
+    @property
+    def load(self) -> float:
+        """What the load-aware balancer weighs: the engine's running and waiting requests
+        plus this router's requests since that report, plus KV-cache use (0..1); this
+        router's own in-flight count when the engine's figures are unknown or stale."""
+        engine = self.fresh_engine(time.monotonic())
+        if engine is None:
+            return float(self.outstanding)
+        return engine.running + engine.waiting + self.sent_since_report + engine.kv_cache_usage
+
+    def report(self, load: EngineLoad | None) -> None:
+        """A new engine report (None: unknown) replaces the old one and its charges."""
+        self.engine = load
+        self.sent_since_report = 0
+        if load is not None and load.generation > self.engine_generation:
+            self.engine_generation = load.generation
+
     def usable(self, now: float) -> bool:
         return self.healthy and not self.removed and self.outlier.ejected_until <= now
 
@@ -75,14 +132,23 @@ class Endpoint:
 class EndpointSet:
     """All endpoints of one snapshot, indexed by served model name."""
 
-    __slots__ = ("_by_model", "endpoints", "source", "version")
+    __slots__ = ("_by_model", "by_id", "declared", "endpoints", "source", "version")
 
     def __init__(
-        self, endpoints: Iterable[Endpoint], *, version: int = 0, source: str = ""
+        self,
+        endpoints: Iterable[Endpoint],
+        *,
+        version: int = 0,
+        source: str = "",
+        declared: Mapping[str, bool] | None = None,
     ) -> None:
         self.endpoints: tuple[Endpoint, ...] = tuple(endpoints)
         self.version = version
         self.source = source
+        # Served model names the control plane declares, with or without endpoints:
+        # name -> scale_to_zero.
+        self.declared: Mapping[str, bool] = dict(declared or {})
+        self.by_id: Mapping[str, Endpoint] = {ep.id: ep for ep in self.endpoints}
         by_model: dict[str, list[Endpoint]] = {}
         for ep in self.endpoints:
             for model in ep.spec.models:
@@ -101,7 +167,14 @@ class EndpointSet:
     def __len__(self) -> int:
         return len(self.endpoints)
 
-    def successor(self, specs: Iterable[EndpointSpec], *, version: int, source: str) -> EndpointSet:
+    def successor(
+        self,
+        specs: Iterable[EndpointSpec],
+        *,
+        version: int,
+        source: str,
+        declared: Mapping[str, bool] | None = None,
+    ) -> EndpointSet:
         """The set for new ``specs``, keeping the live state of endpoints that did not change.
 
         An endpoint whose id and URL are unchanged is the same object in the new set, so
@@ -117,6 +190,9 @@ class EndpointSet:
             elif prev is not None and prev.spec.url == spec.url:
                 # Same engine, new attributes (weight, models): the same object, so the
                 # requests in flight on it still count against it.
+                if spec.generation != prev.spec.generation:
+                    # Another engine process: its predecessor's figures say nothing.
+                    prev.report(None)
                 prev.spec = spec
                 kept.append(prev)
             else:
@@ -125,4 +201,4 @@ class EndpointSet:
                 kept.append(Endpoint(spec=spec))
         for gone in old.values():
             gone.removed = True
-        return EndpointSet(kept, version=version, source=source)
+        return EndpointSet(kept, version=version, source=source, declared=declared)

@@ -15,7 +15,7 @@ import structlog
 
 from llmgw_router.config import HealthCheckConfig
 from llmgw_router.endpoints import Endpoint
-from llmgw_router.proxy import RouterState
+from llmgw_router.state import RouterState
 
 __all__ = ["HealthChecker", "apply_probe"]
 

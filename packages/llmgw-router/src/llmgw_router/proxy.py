@@ -3,16 +3,21 @@
 Plain ASGI rather than a framework's Request/Response objects, because every
 microsecond here is added to every request. One request:
 
-1. read the body (bounded), decode only `model`, `stream` and `user` from it;
-2. pick an endpoint of the model (profile pin or default profile first);
+1. read the body (bounded), decode only `model`, `stream` and `user` from it, and, for
+   the cache-aware balancer, take the raw text of `messages` or `prompt` undecoded;
+2. pick an endpoint of the model (profile pin or default profile first); a declared
+   model with no endpoint yet (scale to zero) is held until one appears (hold.py);
 3. send the body unchanged; wait for the response head and its first body chunk
-   within `first_byte`. A failure up to here goes to another endpoint, bounded by
-   the retry count and the retry budget;
+   within `first_byte`. A failure up to here goes to another endpoint, as retry.py
+   decides (retry count, deadline, 429, budget);
 4. pass every further chunk on as it arrives; after the first byte a failure ends
    an SSE stream with an error event and `[DONE]`.
 
 A task watches the client side: a disconnect cancels the request, which closes the
 upstream connection and so ends the engine's work at once.
+
+Everything one request carries lives in one :class:`RequestContext`; its outcome is
+counted in the request metrics at one place, when ``__call__`` ends.
 """
 
 from __future__ import annotations
@@ -23,21 +28,22 @@ import hmac
 import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import structlog
 
-from llmgw_router.balancers import Balancer, make_balancer
-from llmgw_router.budget import RetryBudget
-from llmgw_router.config import ApiKey, Deadlines, RouterConfig
-from llmgw_router.endpoints import Endpoint, EndpointSet
+from llmgw_router.config import ApiKey, Deadlines
+from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError, error_body, sse_error_event
-from llmgw_router.metrics import Metrics
-from llmgw_router.outlier import OutlierPolicy, record_failure, record_success
+from llmgw_router.hold import Holds
+from llmgw_router.prefix import prefix_blocks
+from llmgw_router.retry import RetryPolicy, Verdict, after_failure, retry_tiers
+from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
 
-__all__ = ["ProxyApp", "RouterState"]
+__all__ = ["ProxyApp", "RequestContext", "RouterState"]
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +71,13 @@ class _RequestHead(msgspec.Struct):
     user: str | None = None
 
 
+class _RequestHeadWithPrompt(_RequestHead):
+    """The same, plus the prompt's raw JSON text (not decoded) for prefix affinity."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -75,6 +88,7 @@ class _WithUsage(msgspec.Struct):
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
+_decode_head_with_prompt = msgspec.json.Decoder(_RequestHeadWithPrompt).decode
 _decode_usage = msgspec.json.Decoder(_WithUsage).decode
 
 
@@ -113,55 +127,40 @@ class _ClientGone(Exception):
     pass
 
 
-class RouterState:
-    """What the proxy and the admin app share: the endpoint set and the live policy."""
+@dataclass(slots=True)
+class RequestContext:
+    """One proxied request, from its parsed head to its outcome."""
 
-    def __init__(self, config: RouterConfig, endpoints: EndpointSet, metrics: Metrics) -> None:
-        self.config = config
-        # Swapped whole by one assignment when a new snapshot arrives.
-        self.endpoints = endpoints
-        self.metrics = metrics
-        self.balancer: Balancer[Endpoint] = make_balancer(config.balancer)
-        self.budget = RetryBudget(
-            config.retries.budget_ratio, config.retries.budget_min_per_second, now=time.monotonic()
-        )
-        self.outlier_policy = OutlierPolicy(
-            consecutive_failures=config.ejection.consecutive_failures,
-            base_time=config.ejection.base_time,
-            max_time=config.ejection.max_time,
-        )
-        self.draining = False
-        self.in_flight = 0
-        self.has_snapshot = len(endpoints) > 0
+    path: str
+    body: bytes
+    # The request headers an engine gets.
+    headers: list[tuple[bytes, bytes]]
+    model: str
+    candidates: tuple[Endpoint, ...]
+    deadlines: Deadlines
+    # On the router's one clock (state.now).
+    started: float
+    deadline: float
+    # session_affinity's key: the affinity header, else the body's `user`.
+    affinity_key: str | None = None
+    # cache_aware's prompt prefix blocks.
+    prefix: tuple[int, ...] = ()
+    tried: list[Endpoint] = field(default_factory=list)
+    refused: set[str] = field(default_factory=set)
+    retries: int = 0
+    # The outcome, counted once when the request ends.
+    status: int = 0
+    endpoint: str = ""
 
-    def swap(self, endpoints: EndpointSet) -> None:
-        self.endpoints = endpoints
-        self.has_snapshot = True
-        self.metrics.snapshot_version.set(endpoints.version)
 
-    def record_failure(self, ep: Endpoint, reason: str) -> None:
-        if reason == "status_429":
-            # Busy is not broken: a 429 is retried elsewhere but never ejects.
-            self.metrics.child(self.metrics.upstream_errors, ep.id, reason).inc()
-            return
-        now = time.monotonic()
-        before = ep.outlier.ejected_until
-        ep.outlier = record_failure(ep.outlier, now, self.outlier_policy)
-        self.metrics.child(self.metrics.upstream_errors, ep.id, reason).inc()
-        if ep.outlier.ejected_until > now >= before:
-            self.metrics.child(self.metrics.ejections, ep.id).inc()
-            log.warning(
-                "endpoint ejected",
-                endpoint=ep.id,
-                seconds=round(ep.outlier.ejected_until - now, 3),
-                ejections=ep.outlier.ejections,
-                reason=reason,
-            )
+class _Outcome:
+    """What the one exit counts: set by whichever step answered."""
 
-    def record_success(self, ep: Endpoint) -> None:
-        outlier = ep.outlier
-        if outlier.consecutive_failures or outlier.ejections:
-            ep.outlier = record_success(outlier, time.monotonic(), self.outlier_policy)
+    __slots__ = ("ctx", "error_status")
+
+    def __init__(self) -> None:
+        self.ctx: RequestContext | None = None
+        self.error_status = 0
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -182,13 +181,6 @@ async def _respond(
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-def _usable_at(now: float) -> Callable[[Endpoint], bool]:
-    def usable(ep: Endpoint) -> bool:
-        return ep.usable(now)
-
-    return usable
 
 
 def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
@@ -219,18 +211,28 @@ class ProxyApp:
         self.state = state
         self.pool = pool
         self._keys = api_keys
-        self._affinity_header = state.config.affinity.header.lower().encode()
+        config = state.config
+        self._affinity_header = config.affinity.header.lower().encode()
         self._deadlines_by_model: dict[str, Deadlines] = {}
+        self._retry_policy = RetryPolicy(
+            max_retries=config.retries.max_retries, retry_on_429=config.retries.retry_on_429
+        )
+        self._cache_aware = config.balancer == "cache_aware"
+        self._block_bytes = config.cache_aware.block_bytes
+        self._max_blocks = config.cache_aware.max_blocks
+        self.holds = Holds(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            outcome = _Outcome()
             try:
-                await self._route(scope, receive, send)
+                await self._route(scope, receive, send, outcome)
             except ApiError as err:
-                # Labelled without model and endpoint: the model may be any string a client sent.
-                self.state.metrics.child(self.state.metrics.requests, "", str(err.status), "").inc()
+                outcome.error_status = err.status
                 await _respond(send, err.status, err.body(), err.headers)
+            finally:
+                self._count(outcome)
         elif kind == "lifespan":
             while True:
                 message = await receive()
@@ -240,7 +242,18 @@ class ProxyApp:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _count(self, outcome: _Outcome) -> None:
+        """The one place request metrics are recorded."""
+        metrics = self.state.metrics
+        ctx = outcome.ctx
+        if ctx is not None and ctx.status:
+            metrics.child(metrics.requests, ctx.model, str(ctx.status), ctx.endpoint).inc()
+            metrics.child(metrics.duration, ctx.model).observe(now() - ctx.started)
+        elif outcome.error_status:
+            # Labelled without model and endpoint: the model may be any string a client sent.
+            metrics.child(metrics.requests, "", str(outcome.error_status), "").inc()
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, outcome: _Outcome) -> None:
         path = scope["path"]
         method = scope["method"]
         if path in PROXIED_PATHS:
@@ -248,15 +261,15 @@ class ProxyApp:
                 raise ApiError(
                     405, f"{method} is not allowed on {path}; use POST", code="method_not_allowed"
                 )
-            key = self._authorize(scope)
-            await self._proxy(scope, receive, send, key)
+            api_key = self._authorize(scope)
+            await self._proxy(scope, receive, send, outcome, api_key)
         elif path == "/v1/models":
             if method != "GET":
                 raise ApiError(
                     405, f"{method} is not allowed on {path}; use GET", code="method_not_allowed"
                 )
-            key = self._authorize(scope)
-            await _respond(send, 200, self._models_body(key))
+            api_key = self._authorize(scope)
+            await _respond(send, 200, self._models_body(api_key))
         else:
             raise ApiError(404, f"no route {method} {path}", code="not_found")
 
@@ -281,16 +294,18 @@ class ProxyApp:
             )
         return found
 
-    def _models_body(self, key: ApiKey | None = None) -> bytes:
-        now = time.monotonic()
+    def _models_body(self, api_key: ApiKey | None = None) -> bytes:
+        """Models with a usable endpoint, and declared scale-to-zero models at zero."""
+        at = now()
         endpoints = self.state.endpoints
         created = int(time.time())
+        names = set(endpoints.models) | {m for m, zero in endpoints.declared.items() if zero}
         data = []
-        for model in endpoints.models:
-            if key is not None and not key.allows(model):
+        for model in sorted(names):
+            if api_key is not None and not api_key.allows(model):
                 continue
             eps = endpoints.for_model(model) or ()
-            if any(ep.usable(now) for ep in eps):
+            if any(ep.usable(at) for ep in eps) or (not eps and endpoints.declared.get(model)):
                 data.append(
                     {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
                 )
@@ -329,10 +344,18 @@ class ProxyApp:
                 )
         return bytes(parts)
 
-    @staticmethod
-    def _parse(body: bytes) -> _RequestHead:
+    def _parse(self, body: bytes) -> _RequestHead:
         try:
+            if self._cache_aware:
+                return _decode_head_with_prompt(body)
             return _decode_head(body)
+        except RecursionError:
+            # msgspec gives up on very deep nesting (any field, skipped or not).
+            raise ApiError(
+                400,
+                "the request body is nested too deeply to be valid JSON for this API",
+                code="invalid_json",
+            ) from None
         except msgspec.ValidationError as err:
             text = str(err)
             param = (
@@ -354,12 +377,49 @@ class ProxyApp:
                 400, f"the request body is not valid JSON: {err}", code="invalid_json"
             ) from None
 
-    def _candidates(self, scope: Scope, model: str) -> tuple[Endpoint, ...]:
-        endpoints = self.state.endpoints.for_model(model)
-        if endpoints is None:
-            raise ApiError(
-                404, f"The model `{model}` does not exist", param="model", code="model_not_found"
+    def _no_endpoints(self, model: str) -> ApiError:
+        """Why ``model`` has no endpoint at all: unknown, unavailable, or no snapshot yet."""
+        state = self.state
+        if not state.has_snapshot:
+            control = state.control
+            why = (
+                f"control plane at {control.address} unreachable: {control.reason}"
+                if control.reason and not control.connected
+                else f"no endpoint snapshot yet from the control plane at {control.address}"
             )
+            return ApiError(
+                503,
+                f"cannot route model `{model}`: {why}",
+                "service_unavailable_error",
+                param="model",
+                code="control_plane_unavailable",
+                headers=[(b"retry-after", b"1")],
+            )
+        if state.is_known(model):
+            return ApiError(
+                503,
+                f"the model `{model}` has no endpoint right now",
+                "service_unavailable_error",
+                param="model",
+                code="no_usable_endpoint",
+                headers=[(b"retry-after", b"5")],
+            )
+        return ApiError(
+            404, f"The model `{model}` does not exist", param="model", code="model_not_found"
+        )
+
+    async def _endpoints_of(self, model: str) -> tuple[Endpoint, ...]:
+        endpoints = self.state.endpoints.for_model(model)
+        if endpoints is not None:
+            return endpoints
+        if self.state.endpoints.declared.get(model) and self.state.config.hold.enabled:
+            # Scale to zero: wait for the first endpoint (or 503 past the timeout/bound).
+            return await self.holds.wait(model)
+        raise self._no_endpoints(model)
+
+    def _candidates(
+        self, scope: Scope, model: str, endpoints: tuple[Endpoint, ...]
+    ) -> tuple[Endpoint, ...]:
         pinned = _header(scope, PROFILE_HEADER)
         if pinned is not None:
             profile = pinned.decode("latin-1")
@@ -374,9 +434,9 @@ class ProxyApp:
             return chosen
         default = self.state.config.default_profile
         if default:
-            now = time.monotonic()
+            at = now()
             preferred = tuple(
-                ep for ep in endpoints if ep.spec.profile == default and ep.usable(now)
+                ep for ep in endpoints if ep.spec.profile == default and ep.usable(at)
             )
             if preferred:
                 return preferred
@@ -391,9 +451,9 @@ class ProxyApp:
         return found
 
     def _unavailable(self, model: str, candidates: tuple[Endpoint, ...]) -> ApiError:
-        now = time.monotonic()
+        at = now()
         waits = [
-            ep.outlier.ejected_until - now for ep in candidates if ep.outlier.ejected_until > now
+            ep.outlier.ejected_until - at for ep in candidates if ep.outlier.ejected_until > at
         ]
         retry_after = max(1, math.ceil(min(waits))) if waits else 1
         return ApiError(
@@ -406,10 +466,15 @@ class ProxyApp:
         )
 
     async def _proxy(
-        self, scope: Scope, receive: Receive, send: Send, api_key: ApiKey | None = None
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        outcome: _Outcome,
+        api_key: ApiKey | None = None,
     ) -> None:
         state = self.state
-        started = time.monotonic()
+        started = now()
         if state.draining:
             raise ApiError(
                 503,
@@ -432,11 +497,25 @@ class ProxyApp:
                 param="model",
                 code="model_not_allowed",
             )
-        candidates = self._candidates(scope, model)
-        key: str | None = None
+        endpoints = await self._endpoints_of(model)
+        deadlines = self._deadlines(model)
+        ctx = RequestContext(
+            path=scope["path"],
+            body=body,
+            headers=[(k, v) for k, v in scope["headers"] if k in _FORWARD_REQUEST],
+            model=model,
+            candidates=self._candidates(scope, model, endpoints),
+            deadlines=deadlines,
+            started=started,
+            deadline=started + deadlines.total,
+        )
         if state.config.balancer == "session_affinity":
             raw = _header(scope, self._affinity_header)
-            key = raw.decode("latin-1") if raw else head.user
+            ctx.affinity_key = raw.decode("latin-1") if raw else head.user
+        elif isinstance(head, _RequestHeadWithPrompt):
+            prompt = head.messages or head.prompt
+            if prompt:
+                ctx.prefix = prefix_blocks(bytes(prompt), self._block_bytes, self._max_blocks)
 
         task = asyncio.current_task()
         assert task is not None
@@ -444,15 +523,16 @@ class ProxyApp:
         exchange = _Exchange(send)
         watcher = asyncio.create_task(self._watch_client(receive, task, gone, exchange))
         state.in_flight += 1
+        outcome.ctx = ctx
         try:
-            await self._serve(scope, exchange.send, body, model, candidates, key, started)
+            await self._serve(ctx, exchange.send)
         except asyncio.CancelledError:
             if not gone.is_set():
                 raise
             # The client went away: the upstream request is closed by now; nothing to answer.
             task.uncancel()
             state.metrics.child(state.metrics.client_disconnects, model).inc()
-            log.info("client disconnected", model=model, after=round(time.monotonic() - started, 3))
+            log.info("client disconnected", model=model, after=round(now() - started, 3))
         finally:
             state.in_flight -= 1
             watcher.cancel()
@@ -471,140 +551,104 @@ class ProxyApp:
                     handler.cancel()
                 return
 
-    async def _serve(
-        self,
-        scope: Scope,
-        send: Send,
-        body: bytes,
-        model: str,
-        candidates: tuple[Endpoint, ...],
-        key: str | None,
-        started: float,
-    ) -> None:
+    def _pick(self, ctx: RequestContext) -> Endpoint | None:
+        state = self.state
+        balancer = state.balancer
+        at = now()
+        if not ctx.tried:
+            tiers = [list(ctx.candidates)]
+        else:
+            current = state.endpoints.for_model(ctx.model) or ()
+            tiers = retry_tiers(ctx.candidates, current, [t.id for t in ctx.tried], ctx.refused)
+        for tier in tiers:
+            if not tier:
+                continue
+            ep = balancer.pick(tier, state.usable_among(tier, at), ctx.affinity_key, ctx.prefix)
+            if ep is not None:
+                # Charged at pick time: a burst between two load reports spreads.
+                ep.sent_since_report += 1
+                return ep
+        return None
+
+    async def _serve(self, ctx: RequestContext, send: Send) -> None:
         state = self.state
         metrics = state.metrics
-        deadlines = self._deadlines(model)
-        total_deadline = started + deadlines.total
-        headers = [(k, v) for k, v in scope["headers"] if k in _FORWARD_REQUEST]
-        state.budget.on_request(started)
-        path: str = scope["path"]
-        tried: list[Endpoint] = []
-        refused: set[str] = set()
+        state.budget.on_request(ctx.started)
         last_failure: _UpstreamFailure | None = None
-        retries = 0
-        now = started
         while True:
-            usable = _usable_at(now)
-            if tried:
-                # A retry: from the current set (a snapshot may have come), in the same
-                # profiles as the first choice when any is left there; an endpoint not
-                # tried yet first.
-                current = state.endpoints.for_model(model) or ()
-                profiles = {ep.spec.profile for ep in candidates}
-                pool = [ep for ep in current if ep.spec.profile in profiles] or list(current)
-                tried_ids = {t.id for t in tried}
-                ep = state.balancer.pick([e for e in pool if e.id not in tried_ids], usable, key)
-                if ep is None:
-                    # All tried: again any but the last, and none that refused a connection.
-                    skip = {tried[-1].id, *refused}
-                    ep = state.balancer.pick([e for e in pool if e.id not in skip], usable, key)
-            else:
-                ep = state.balancer.pick(candidates, usable, key)
+            ep = self._pick(ctx)
             if ep is None:
-                if last_failure is not None and tried:
-                    await self._give_up(send, model, tried[-1], last_failure, started)
+                if last_failure is not None and ctx.tried:
+                    await self._give_up(ctx, send, ctx.tried[-1], last_failure)
                     return
-                raise self._unavailable(model, candidates)
-            tried.append(ep)
+                raise self._unavailable(ctx.model, ctx.candidates)
+            ctx.tried.append(ep)
             try:
-                await self._attempt(
-                    send,
-                    ep,
-                    path,
-                    body,
-                    headers,
-                    model,
-                    deadlines,
-                    started,
-                    total_deadline,
-                )
+                await self._attempt(ctx, send, ep)
                 return
             except _UpstreamFailure as failure:
                 last_failure = failure
                 if failure.reason == "connect":
-                    refused.add(ep.id)
+                    ctx.refused.add(ep.id)
                 state.record_failure(ep, failure.reason)
                 log.info(
                     "upstream attempt failed",
                     endpoint=ep.id,
-                    model=model,
+                    model=ctx.model,
                     reason=failure.reason,
                     detail=failure.detail,
                 )
-            now = time.monotonic()
-            if retries >= state.config.retries.max_retries or now >= total_deadline:
-                await self._give_up(send, model, ep, last_failure, started)
+            verdict = after_failure(
+                self._retry_policy,
+                retries=ctx.retries,
+                reason=last_failure.reason,
+                now=now(),
+                deadline=ctx.deadline,
+                spend=state.budget.try_spend,
+            )
+            if verdict is not Verdict.RETRY:
+                if verdict is Verdict.BUDGET:
+                    metrics.child(metrics.retries_denied, ctx.model).inc()
+                await self._give_up(ctx, send, ep, last_failure)
                 return
-            if last_failure.reason == "status_429" and not state.config.retries.retry_on_429:
-                await self._give_up(send, model, ep, last_failure, started)
-                return
-            if not state.budget.try_spend(now):
-                metrics.child(metrics.retries_denied, model).inc()
-                await self._give_up(send, model, ep, last_failure, started)
-                return
-            retries += 1
-            metrics.child(metrics.retries, model).inc()
+            ctx.retries += 1
+            metrics.child(metrics.retries, ctx.model).inc()
 
     async def _give_up(
-        self, send: Send, model: str, ep: Endpoint, failure: _UpstreamFailure | None, started: float
+        self, ctx: RequestContext, send: Send, ep: Endpoint, failure: _UpstreamFailure
     ) -> None:
-        metrics = self.state.metrics
-        if failure is not None and failure.response is not None:
+        if failure.response is not None:
             status, headers, payload = failure.response
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": payload})
         else:
-            detail = failure.detail if failure is not None else "no endpoint answered"
-            status = 504 if failure is not None and failure.reason.startswith("timeout") else 502
+            status = 504 if failure.reason.startswith("timeout") else 502
             await _respond(
                 send,
                 status,
                 error_body(
-                    f"upstream failed for model `{model}`: {detail}",
+                    f"upstream failed for model `{ctx.model}`: {failure.detail}",
                     "upstream_error",
                     None,
-                    failure.reason if failure else None,
+                    failure.reason,
                 ),
             )
-        metrics.child(metrics.requests, model, str(status), ep.id).inc()
-        metrics.child(metrics.duration, model).observe(time.monotonic() - started)
+        ctx.status, ctx.endpoint = status, ep.id
 
-    async def _attempt(
-        self,
-        send: Send,
-        ep: Endpoint,
-        path: str,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]],
-        model: str,
-        deadlines: Deadlines,
-        started: float,
-        total_deadline: float,
-    ) -> None:
+    async def _attempt(self, ctx: RequestContext, send: Send, ep: Endpoint) -> None:
         state = self.state
         pool = self.pool
         assert pool is not None
-        loop = asyncio.get_running_loop()
+        deadlines = ctx.deadlines
         ep.outstanding += 1
         response: Response | None = None
         clean = False
         try:
-            now = loop.time()
-            first_deadline = now + min(deadlines.first_byte, total_deadline - time.monotonic())
+            wait = min(deadlines.first_byte, ctx.deadline - now())
             try:
-                async with asyncio.timeout_at(first_deadline):
+                async with asyncio.timeout(max(0.0, wait)):
                     response = await pool.post(
-                        ep.url, path, body, headers, connect_timeout=deadlines.connect
+                        ep.url, ctx.path, ctx.body, ctx.headers, connect_timeout=deadlines.connect
                     )
                     status = response.status
                     if status >= 500 or status == 429:
@@ -626,9 +670,7 @@ class ProxyApp:
                 raise _UpstreamFailure("reset", f"{ep.id}: {err}") from None
             if status < 500:
                 state.record_success(ep)
-            clean = await self._relay(
-                send, ep, response, first, model, deadlines, started, total_deadline
-            )
+            clean = await self._relay(ctx, send, ep, response, first)
         finally:
             ep.outstanding -= 1
             if response is not None:
@@ -644,23 +686,17 @@ class ProxyApp:
         return [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
 
     async def _relay(
-        self,
-        send: Send,
-        ep: Endpoint,
-        response: Response,
-        first: bytes,
-        model: str,
-        deadlines: Deadlines,
-        started: float,
-        total_deadline: float,
+        self, ctx: RequestContext, send: Send, ep: Endpoint, response: Response, first: bytes
     ) -> bool:
         """Pass the response on chunk by chunk; True when it ended cleanly."""
         metrics = self.state.metrics
+        model = ctx.model
+        deadlines = ctx.deadlines
         loop = asyncio.get_running_loop()
         status = response.status
         content_type = next((v for k, v in response.headers if k == b"content-type"), b"")
         streamed = content_type.startswith(b"text/event-stream")
-        ttft = time.monotonic() - started
+        ttft = now() - ctx.started
         metrics.child(metrics.ttft, model).observe(ttft)
         await send(
             {
@@ -682,10 +718,12 @@ class ProxyApp:
         elif first:
             gap = metrics.child(metrics.gap, model) if streamed else None
             await send({"type": "http.response.body", "body": first, "more_body": True})
+            # The chunk loop runs on the event loop's clock (what asyncio's timeouts use),
+            # with the request's deadline carried over from the router's clock once.
             last_at = loop.time()
             try:
                 async with asyncio.timeout(None) as deadline:
-                    total_at = last_at + (total_deadline - time.monotonic())
+                    total_at = last_at + (ctx.deadline - now())
                     idle = deadlines.idle
                     while True:
                         deadline.reschedule(min(last_at + idle, total_at))
@@ -693,10 +731,10 @@ class ProxyApp:
                         if not chunk:
                             clean = True
                             break
-                        now = loop.time()
+                        at = loop.time()
                         if gap is not None:
-                            gap.observe(now - last_at)
-                        last_at = now
+                            gap.observe(at - last_at)
+                        last_at = at
                         previous, last = last, chunk
                         if collected is not None and len(collected) < 1 << 20:
                             collected += chunk
@@ -735,6 +773,5 @@ class ProxyApp:
         if usage is not None:
             metrics.child(metrics.tokens, model, "prompt").inc(usage.prompt_tokens)
             metrics.child(metrics.tokens, model, "completion").inc(usage.completion_tokens)
-        metrics.child(metrics.requests, model, str(status), ep.id).inc()
-        metrics.child(metrics.duration, model).observe(time.monotonic() - started)
+        ctx.status, ctx.endpoint = status, ep.id
         return clean

@@ -1,32 +1,66 @@
-"""Dynamic endpoints: the control plane's `EndpointService.Watch` stream.
+"""Dynamic endpoints and engine load from the control plane (`EndpointService`).
 
-Each snapshot becomes a new :class:`EndpointSet` swapped in with one assignment.
-When the stream breaks the router keeps serving the last snapshot and subscribes
-again after a jittered backoff, so a fleet of routers does not return in step.
+On one channel to the control plane's leader the router holds two streams:
+
+- ``Watch``: snapshots of the ready endpoints (and the declared models). Each becomes a
+  new :class:`EndpointSet` swapped in with one assignment.
+- ``WatchLoad``: the engines' load figures (running, waiting, KV-cache use, generation),
+  applied to the endpoints in place; a load change never touches the snapshot.
+
+and calls ``ReportDemand`` while requests are held for a model scaled to zero.
+
+When the channel breaks the router keeps serving the last snapshot, drops the engines'
+figures (it balances on its own counts until they come back) and subscribes again after
+a jittered backoff, so a fleet of routers does not return in step. With several control
+plane addresses (`control.addresses`, or a DNS name with several records) it tries
+them in turn; a standby answers UNAVAILABLE with the leader's address in the trailing
+metadata key ``llmgw-leader`` and the router goes there next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
+import socket
 import ssl
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import structlog
 from grpclib.client import Channel
 from grpclib.config import Configuration
-from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
+from llmgw_proto.addr import HostPort, format_hostport, parse_hostport
 from llmgw_proto.backoff import Backoff
 from llmgw_proto.tls import CertReloader, client_context
+from llmgw_proto.v1 import DemandReply, DemandRequest, EndpointSnapshot, LoadUpdate, WatchRequest
 from llmgw_proto.v1 import Endpoint as WireEndpoint
-from llmgw_proto.v1 import EndpointServiceStub, EndpointSnapshot, WatchRequest
+from llmgw_proto.v1 import EndpointLoad as WireLoad
 
 from llmgw_router.config import ControlConfig
-from llmgw_router.endpoints import EndpointSpec
-from llmgw_router.proxy import RouterState
+from llmgw_router.endpoints import EndpointSpec, EngineLoad
+from llmgw_router.state import RouterState, now
 
-__all__ = ["EndpointWatcher", "control_ssl", "spec_from_wire"]
+__all__ = ["EndpointWatcher", "LeaderRedirect", "control_ssl", "load_from_wire", "spec_from_wire"]
 
 log = structlog.get_logger(__name__)
+
+LEADER_KEY = "llmgw-leader"
+_WATCH = "/llmgw.v1.EndpointService/Watch"
+_WATCH_LOAD = "/llmgw.v1.EndpointService/WatchLoad"
+_REPORT_DEMAND = "/llmgw.v1.EndpointService/ReportDemand"
+
+M = TypeVar("M")
+
+
+class LeaderRedirect(Exception):
+    """A standby said who leads: go there."""
+
+    def __init__(self, leader: HostPort, detail: str) -> None:
+        super().__init__(f"standby; leader is {leader}: {detail}")
+        self.leader = leader
 
 
 def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
@@ -41,6 +75,23 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         node_id=ep.node_id,
         replica_id=ep.replica_id,
         labels=tuple(sorted(ep.labels.items())),
+        generation=ep.generation,
+    )
+
+
+def load_from_wire(load: WireLoad, received_at: float) -> EngineLoad | None:
+    """The figures of one EndpointLoad; None when the control plane says unknown."""
+    if not load.known:
+        return None
+    age = load.age.total_seconds() if load.age is not None else 0.0
+    return EngineLoad(
+        running=load.running,
+        waiting=load.waiting,
+        kv_cache_usage=float(load.kv_cache_usage),
+        prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
+        generation=load.generation,
+        measured_at=received_at - max(0.0, age),
     )
 
 
@@ -49,15 +100,49 @@ def control_ssl(control: ControlConfig, insecure: bool) -> ssl.SSLContext | None
 
     Raises ValueError naming the config field when a file cannot be used.
     """
-    tls = control.tls
-    if insecure or tls.insecure:
+    tls = control.tls.with_insecure_flag(insecure)
+    if tls.insecure:
         return None
     if not (tls.cert and tls.key and tls.ca):
         raise ValueError("control.tls: cert, key and ca are required unless insecure")
     try:
-        return client_context(Path(tls.cert), Path(tls.key), Path(tls.ca))
+        return client_context(*tls.files())
     except (OSError, ssl.SSLError) as err:
         raise ValueError(f"control.tls: cannot load cert/key/ca: {err}") from None
+
+
+def _leader_from(metadata: Any) -> HostPort | None:
+    if not metadata:
+        return None
+    value = metadata.get(LEADER_KEY)
+    if not value:
+        return None
+    with contextlib.suppress(ValueError):
+        return parse_hostport(str(value))
+    return None
+
+
+async def _server_stream(
+    channel: Channel,
+    route: str,
+    request: Any,
+    reply: type[M],
+    on_open: Callable[[], None] | None = None,
+) -> AsyncIterator[M]:
+    """A server-streaming call that turns a standby's answer into :class:`LeaderRedirect`."""
+    async with channel.request(route, Cardinality.UNARY_STREAM, type(request), reply) as stream:
+        try:
+            await stream.send_message(request, end=True)
+            await stream.recv_initial_metadata()
+            if on_open is not None:
+                on_open()
+            async for message in stream:
+                yield message
+        except GRPCError as err:
+            leader = _leader_from(stream.trailing_metadata) or _leader_from(stream.initial_metadata)
+            if err.status is Status.UNAVAILABLE and leader is not None:
+                raise LeaderRedirect(leader, err.message or "") from None
+            raise
 
 
 class EndpointWatcher:
@@ -75,19 +160,23 @@ class EndpointWatcher:
         self.router_id = router_id
         self.static = static
         self.ssl = control_ssl(control, insecure)
+        tls = control.tls
         # Rotated certificate files are read again before each new subscription.
         self.reloader = (
-            CertReloader(
-                self.ssl, Path(control.tls.cert), Path(control.tls.key), Path(control.tls.ca)
-            )
-            if self.ssl is not None and control.tls.cert and control.tls.key and control.tls.ca
+            CertReloader(self.ssl, *tls.files())
+            if self.ssl is not None and tls.cert and tls.key and tls.ca
             else None
         )
-        host, _, port = control.address.rpartition(":")
-        self.host = host
-        self.port = int(port)
+        self.targets = control.targets()
         self.backoff = Backoff(control.backoff_base, control.backoff_cap)
+        self.load_backoff = Backoff(control.backoff_base, control.backoff_cap)
         self.subscribed = False
+        self.leader: HostPort | None = None
+        self._next = 0
+        self._demand = asyncio.Event()
+        state.on_demand.append(lambda model: self._demand.set())
+
+    # ------------------------------------------------------------------ snapshots
 
     def apply(self, snapshot: EndpointSnapshot, first_on_stream: bool) -> bool:
         current = self.state.endpoints
@@ -101,47 +190,230 @@ class EndpointWatcher:
             log.warning("older snapshot ignored", version=snapshot.version, have=current.version)
             return False
         specs = [spec_from_wire(ep) for ep in snapshot.endpoints if ep.url]
-        new = current.successor([*self.static, *specs], version=snapshot.version, source="control")
+        declared: dict[str, bool] = {}
+        for model in snapshot.models:
+            for name in model.served_model_names or [model.name]:
+                declared[name] = declared.get(name, False) or model.scale_to_zero
+        new = current.successor(
+            [*self.static, *specs], version=snapshot.version, source="control", declared=declared
+        )
+        kept = {ep.id for ep in new.endpoints}
+        for ep in current.endpoints:
+            if ep.id not in kept:
+                self.state.balancer.forget(ep.id)
         self.state.swap(new)
         log.info("endpoint snapshot applied", version=snapshot.version, endpoints=len(specs))
         return True
 
-    async def _subscribe_once(self) -> None:
+    # ------------------------------------------------------------------ addresses
+
+    async def _addresses(self) -> list[tuple[str, int, str | None]]:
+        """(connect host, port, TLS name) to try, the known leader first.
+
+        A name with several DNS records stands for several instances: each address is
+        tried, with the name kept for the certificate check.
+        """
+        out: list[tuple[str, int, str | None]] = []
+        targets = ([self.leader] if self.leader is not None else []) + self.targets
+        loop = asyncio.get_running_loop()
+        for target in targets:
+            host = target.host
+            try:
+                ipaddress.ip_address(host)
+                out.append((host, target.port, None))
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await loop.getaddrinfo(host, target.port, type=socket.SOCK_STREAM)
+            except OSError:
+                out.append((host, target.port, None))
+                continue
+            addrs = list(dict.fromkeys(str(info[4][0]) for info in infos))
+            if len(addrs) <= 1:
+                out.append((host, target.port, None))
+            else:
+                out += [(addr, target.port, host) for addr in addrs]
+        return list(dict.fromkeys(out))
+
+    # ------------------------------------------------------------------ one session
+
+    def _channel(self, host: str, port: int, name: str | None) -> Channel:
+        config = Configuration(
+            # Pings find a control plane that vanished without closing the connection.
+            _keepalive_time=10.0,
+            _keepalive_timeout=10.0,
+            ssl_target_name_override=name if self.ssl is not None else None,
+        )
+        return Channel(host, port, ssl=self.ssl, config=config)
+
+    async def _subscribe_once(self, host: str, port: int, name: str | None) -> None:
+        """One session on one channel: Watch, with WatchLoad and demand reports beside it.
+
+        It ends when Watch ends, or when the load stream finds the connection gone (a
+        reconnect by one stream would leave the other waiting on the old connection).
+        """
         if self.reloader is not None:
             self.reloader.check()
-        channel = Channel(
-            self.host,
-            self.port,
-            ssl=self.ssl,
-            # Pings find a control plane that vanished without closing the connection.
-            config=Configuration(_keepalive_time=10.0, _keepalive_timeout=10.0),
-        )
+        channel = self._channel(host, port, name)
+        address = format_hostport(name or host, port)
+        lost = asyncio.Event()
+        helpers: list[asyncio.Task[None]] = []
+        watch = asyncio.create_task(self._watch(channel, address, helpers, lost))
+        lost_wait = asyncio.create_task(lost.wait())
         try:
-            stub = EndpointServiceStub(channel)
-            request = WatchRequest(
-                router_id=self.router_id, known_version=self.state.endpoints.version
-            )
-            first = True
-            async for snapshot in stub.watch(request):
-                self.subscribed = True
-                self.backoff.reset()
-                self.apply(snapshot, first)
-                first = False
+            await asyncio.wait({watch, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done():
+                watch.result()
+            else:
+                raise ConnectionError("connection lost (seen on the load stream)")
         finally:
             self.subscribed = False
+            self.state.control.connected = False
+            for task in (watch, lost_wait, *helpers):
+                task.cancel()
+            await asyncio.gather(watch, lost_wait, *helpers, return_exceptions=True)
+            self.state.forget_loads()
             channel.close()
 
-    async def run(self) -> None:
-        log.info("watching control plane", address=self.control.address, tls=self.ssl is not None)
+    async def _watch(
+        self, channel: Channel, address: str, helpers: list[asyncio.Task[None]], lost: asyncio.Event
+    ) -> None:
+        request = WatchRequest(router_id=self.router_id, known_version=self.state.endpoints.version)
+        first = True
+
+        def opened() -> None:
+            self.state.control.connected = True
+            self.state.control.address = address
+            self.state.control.reason = ""
+
+        async for snapshot in _server_stream(channel, _WATCH, request, EndpointSnapshot, opened):
+            if first:
+                self.subscribed = True
+                self.state.control.connected = True
+                self.state.control.address = address
+                self.backoff.reset()
+                if self.state.config.load_reports.enabled:
+                    helpers.append(asyncio.create_task(self._load_loop(channel, lost)))
+                helpers.append(asyncio.create_task(self._demand_loop(channel)))
+            self.apply(snapshot, first)
+            first = False
+
+    async def _load_loop(self, channel: Channel, lost: asyncio.Event) -> None:
+        """``WatchLoad`` on the session's channel, resubscribed with its own backoff.
+
+        A refusal by the control plane (a gRPC status: an older control plane without
+        WatchLoad, say) is retried on the same channel; a lost connection ends the session.
+        """
         while True:
             try:
-                await self._subscribe_once()
+                request = WatchRequest(router_id=self.router_id)
+                async for update in _server_stream(channel, _WATCH_LOAD, request, LoadUpdate):
+                    self.load_backoff.reset()
+                    self.apply_load(update)
                 reason = "stream ended"
-            except (TimeoutError, GRPCError, StreamTerminatedError, OSError) as err:
+            except GRPCError as err:
+                if err.status is Status.UNIMPLEMENTED:
+                    reason = "the control plane does not serve WatchLoad"
+                else:
+                    reason = f"{type(err).__name__}: {err}"
+            except Exception:
+                self.state.forget_loads()
+                lost.set()
+                return
+            self.state.forget_loads()
+            delay = self.load_backoff.next()
+            log.warning(
+                "load stream lost; balancing on this router's own counts",
+                reason=reason,
+                retry_in=round(delay, 3),
+            )
+            await asyncio.sleep(delay)
+
+    def apply_load(self, update: LoadUpdate) -> None:
+        received = now()
+        self.state.metrics.load_updates.inc()
+        self.state.apply_loads(
+            ((load.endpoint_id, load_from_wire(load, received)) for load in update.loads),
+            update.full,
+        )
+        by_id = self.state.endpoints.by_id
+        for cache in update.caches:
+            ep = by_id.get(cache.endpoint_id)
+            if ep is None:
+                continue
+            if cache.cleared or (cache.generation and cache.generation != ep.generation):
+                ep.cached_blocks = 0
+            ep.cached_blocks = max(0, ep.cached_blocks + len(cache.stored) - len(cache.removed))
+
+    async def _demand_loop(self, channel: Channel) -> None:
+        """While requests are held, say so: at once, then every `hold.demand_interval`."""
+        interval = self.state.config.hold.demand_interval
+        while True:
+            if not self.state.held:
+                self._demand.clear()
+                await self._demand.wait()
+            for model, held in list(self.state.held.items()):
+                try:
+                    async with channel.request(
+                        _REPORT_DEMAND,
+                        Cardinality.UNARY_UNARY,
+                        DemandRequest,
+                        DemandReply,
+                        timeout=5.0,
+                    ) as stream:
+                        await stream.send_message(
+                            DemandRequest(router_id=self.router_id, model=model, held=held),
+                            end=True,
+                        )
+                        reply = await stream.recv_message()
+                    if reply is not None and not reply.accepted:
+                        log.warning("demand not accepted", model=model, reason=reply.reason)
+                    else:
+                        log.info("demand reported", model=model, held=held)
+                except Exception as err:
+                    log.warning("demand report failed", model=model, error=str(err))
+            self._demand.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._demand.wait()
+
+    # ------------------------------------------------------------------ forever
+
+    async def run(self) -> None:
+        log.info(
+            "watching control plane", address=self.control.describe(), tls=self.ssl is not None
+        )
+        while True:
+            addresses = await self._addresses()
+            host, port, name = addresses[self._next % len(addresses)]
+            shown = format_hostport(name or host, port)
+            redirected = False
+            try:
+                await self._subscribe_once(host, port, name)
+                reason = "stream ended"
+            except LeaderRedirect as redirect:
+                reason = str(redirect)
+                redirected = self.leader != redirect.leader
+                self.leader = redirect.leader
+                self._next = 0
+            except Exception as err:
+                # Whatever broke the stream (gRPC status, reset, TLS, protocol errors),
+                # the watcher itself must live on.
                 reason = f"{type(err).__name__}: {err}"
+                if (host, port) == ((self.leader.host, self.leader.port) if self.leader else None):
+                    # The leader we were sent to is gone: back to the configured list.
+                    self.leader = None
+                self._next += 1
+            self.state.control.reason = reason
+            self.state.control.address = shown
+            if redirected:
+                log.info("following the control plane's leader", leader=str(self.leader))
+                continue
             delay = self.backoff.next()
             log.warning(
                 "control plane stream lost; serving the last snapshot",
+                address=shown,
                 reason=reason,
                 retry_in=round(delay, 3),
                 version=self.state.endpoints.version,
