@@ -89,6 +89,49 @@ class Metrics:
         self.snapshot_version = Gauge(
             "llmgw_router_snapshot_version", "Version of the endpoint snapshot in use.", registry=r
         )
+        # Routing that sees the engines (filled in at scrape time from the endpoints).
+        self.panics = Counter(
+            "llmgw_router_panics",
+            "Picks made in panic mode (too few usable endpoints: ejection ignored), by model.",
+            ["model"],
+            registry=r,
+        )
+        self.engine_running = Gauge(
+            "llmgw_router_engine_running",
+            "Requests running on the engine, as it last reported (absent when unknown).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_waiting = Gauge(
+            "llmgw_router_engine_waiting",
+            "Requests waiting on the engine, as it last reported (absent when unknown).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_kv_cache_usage = Gauge(
+            "llmgw_router_engine_kv_cache_usage",
+            "The engine's KV-cache use (0..1), as it last reported (absent when unknown).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.endpoint_load = Gauge(
+            "llmgw_router_endpoint_load",
+            "The load the balancer weighs: engine running+waiting+KV use plus this router's "
+            "requests since that report, or this router's in-flight count when unknown.",
+            ["endpoint", "source"],
+            registry=r,
+        )
+        self.load_updates = Counter(
+            "llmgw_router_load_updates",
+            "Load updates received from the control plane.",
+            registry=r,
+        )
+        self.held = Gauge(
+            "llmgw_router_held_requests",
+            "Requests held for a model scaled to zero, by model.",
+            ["model"],
+            registry=r,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
