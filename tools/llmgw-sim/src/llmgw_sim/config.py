@@ -54,6 +54,10 @@ class EngineConfig:
     base_gpu_id: int = 0
     memory_fraction: float | None = None
     seed: int = 0
+    # The step scheduler's token budget per step (vLLM --max-num-batched-tokens, SGLang
+    # --chunked-prefill-size, llama.cpp -b) and KV-cache size in tokens.
+    max_num_batched_tokens: int = 8192
+    kv_tokens: int = 131072
     request_id_headers: bool = False
     # LoRA adapters served next to the base model: name -> path.
     lora_modules: dict[str, str] = field(default_factory=dict)
@@ -89,6 +93,33 @@ def _non_default(kind: EngineKind, ns: argparse.Namespace) -> dict[str, object]:
         if value != flag.default:
             out[flag.dest] = value
     return out
+
+
+# KV cache when nothing sets it: the simple scheduler's historical 128 Ki tokens; the step
+# scheduler's is what vLLM reports for an 8B bf16 model (128 KiB per token) on an 80 GB
+# H100 at --gpu-memory-utilization 0.9: 72 GiB - 16 GiB weights - ~4 GiB activations.
+KV_TOKENS_SIMPLE = 131072
+KV_TOKENS_STEP = 425984
+
+
+def kv_tokens(
+    knobs: Knobs,
+    block_size: int,
+    *,
+    blocks: int | None = None,
+    memory_bytes: int | None = None,
+    tokens: int | None = None,
+) -> int:
+    """The KV cache in tokens, whole blocks: the engine's own flag first, then the knob."""
+    if blocks:
+        return blocks * block_size
+    if memory_bytes:
+        return max(1, memory_bytes // knobs.kv_bytes_per_token // block_size) * block_size
+    if tokens:
+        return tokens
+    if knobs.kv_cache_tokens is not None:
+        return knobs.kv_cache_tokens
+    return KV_TOKENS_STEP if knobs.scheduler == "step" else KV_TOKENS_SIMPLE
 
 
 def _positive(name: str, value: int | float | None) -> None:
@@ -137,16 +168,27 @@ def from_args(
                 f"world_size ({world}) must be divisible by nnodes ({ns.nnodes}) "
                 "for multi-node multiprocessing.",
             )
+        block = knobs.block_size or ns.block_size or 16
+        _positive("max_num_batched_tokens", getattr(ns, "max_num_batched_tokens", None))
+        _positive("num_gpu_blocks_override", getattr(ns, "num_gpu_blocks_override", None))
         return EngineConfig(
             kind=kind,
             model=model,
             served_names=names,
+            # vLLM 0.32's online-serving defaults on an H100-class GPU.
+            max_num_batched_tokens=getattr(ns, "max_num_batched_tokens", None) or 8192,
+            kv_tokens=kv_tokens(
+                knobs,
+                block,
+                blocks=getattr(ns, "num_gpu_blocks_override", None),
+                memory_bytes=getattr(ns, "kv_cache_memory_bytes", None),
+            ),
             host=ns.host or "0.0.0.0",
             port=ns.port,
             api_keys=list(ns.api_key or []),
             max_model_len=ns.max_model_len or 32768,
-            max_num_seqs=ns.max_num_seqs or 256,
-            block_size=knobs.block_size or ns.block_size or 16,
+            max_num_seqs=ns.max_num_seqs or 1024,
+            block_size=block,
             prefix_caching=ns.enable_prefix_caching is not False,
             metrics_enabled=True,
             version=version,
@@ -194,6 +236,12 @@ def from_args(
             max_model_len=ns.context_length or 32768,
             max_num_seqs=ns.max_running_requests or 256,
             block_size=knobs.block_size or ns.page_size,
+            max_num_batched_tokens=_sglang_budget(ns),
+            kv_tokens=kv_tokens(
+                knobs,
+                knobs.block_size or ns.page_size,
+                tokens=getattr(ns, "max_total_tokens", None),
+            ),
             prefix_caching=not ns.disable_radix_cache,
             metrics_enabled=ns.enable_metrics,
             version=version,
@@ -227,6 +275,9 @@ def from_args(
         max_model_len=ns.ctx_size or 4096,
         max_num_seqs=parallel,
         block_size=knobs.block_size or 16,
+        # n_batch is the most tokens one llama_decode takes; -c cells are shared by the slots.
+        max_num_batched_tokens=max(1, getattr(ns, "batch_size", 2048) or 2048),
+        kv_tokens=kv_tokens(knobs, knobs.block_size or 16, tokens=ns.ctx_size or None),
         prefix_caching=True,
         metrics_enabled=ns.metrics,
         version=version,
@@ -234,6 +285,17 @@ def from_args(
         non_default_args=non_default,
         knobs=knobs,
     )
+
+
+def _sglang_budget(ns: argparse.Namespace) -> int:
+    """SGLang's prefill chunk (--chunked-prefill-size; -1 disables chunking, then a whole
+    prompt of up to --max-prefill-tokens goes in one step)."""
+    chunk = getattr(ns, "chunked_prefill_size", None)
+    if chunk is None:
+        return 8192
+    if chunk <= 0:
+        return max(1, getattr(ns, "max_prefill_tokens", 16384) or 16384)
+    return int(chunk)
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
@@ -330,3 +392,30 @@ def check_memory(config: EngineConfig) -> None:
                 "Please try to increase --mem-fraction-static.",
                 phase="load",
             )
+
+
+def check_kv_fits(config: EngineConfig) -> None:
+    """vLLM refuses to start when one request of --max-model-len cannot fit its KV cache
+    (checked with the step scheduler, whose cache is the engine's real limit)."""
+    if config.kind != "vllm" or config.knobs.scheduler != "step":
+        return
+    if config.max_model_len <= config.kv_tokens:
+        return
+    per_token = config.knobs.kv_bytes_per_token
+    gib = 1 << 30
+
+    def fmt(b: int) -> str:
+        return f"{round(b / gib, 2)}"
+
+    raise StartupError(
+        "ValueError",
+        f"To serve at least one request with the model's max seq len ({config.max_model_len}), "
+        f"({fmt(config.max_model_len * per_token)} GiB KV cache is needed, which is larger "
+        f"than the available KV cache memory ({fmt(config.kv_tokens * per_token)} GiB). "
+        "Based on the available memory, the estimated maximum model length is "
+        f"{config.kv_tokens}. Try increasing `gpu_memory_utilization` (which also controls "
+        "CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
+        "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for "
+        "more details.",
+        phase="load",
+    )

@@ -35,7 +35,12 @@ class Knobs:
     default_max_tokens: int = 16
     mode: str = "random"
     seed: int = 0
-    kv_cache_tokens: int = 131072
+    kv_cache_tokens: int | None = None
+    scheduler: str = "simple"
+    prefill_rate: float = 20000.0
+    step_time: float = 0.008
+    decode_seq_time: float = 0.0001
+    kv_bytes_per_token: int = 131072
     block_size: int | None = None
     num_gpus: int = 8
     gpu_memory_gib: float = 80.0
@@ -70,7 +75,17 @@ _HELP: dict[str, str] = {
     "default_max_tokens": "tokens to generate when neither the request nor --sim-output-len says",
     "mode": "response text: 'random' (seeded words) or 'echo' (repeat the prompt)",
     "seed": "seed for generated text and --sim-error-rate",
-    "kv_cache_tokens": "simulated KV cache size in tokens (prefix cache capacity, kv usage)",
+    "kv_cache_tokens": "simulated KV cache size in tokens (default 131072; 425984 with "
+    "--sim-scheduler step; the engine's own KV flags win)",
+    "scheduler": "'simple' (per-request delays from --sim-ttft/--sim-itl/"
+    "--sim-prefill-per-token) or 'step' (an engine step loop: token budget per step shared "
+    "by prefill chunks and decodes, a finite block KV cache with prefix caching)",
+    "prefill_rate": "step scheduler: prefill tokens computed per second",
+    "step_time": "step scheduler: fixed seconds per step (the inter-token latency of a lone "
+    "sequence)",
+    "decode_seq_time": "step scheduler: extra seconds per step for each decoding sequence",
+    "kv_bytes_per_token": "KV-cache bytes per token, to turn --kv-cache-memory-bytes into "
+    "blocks (default: Llama-3-8B in bf16)",
     "block_size": "prefix cache block size in tokens (default: the engine's own)",
     "num_gpus": "GPUs on the simulated node when CUDA_VISIBLE_DEVICES is unset",
     "gpu_memory_gib": "memory of each simulated GPU in GiB (for log and error messages)",
@@ -91,7 +106,10 @@ _HELP: dict[str, str] = {
     "version": "engine version to report (default: a recent release of the engine)",
     "log_requests": "log one line per finished request",
 }
-_CHOICES: dict[str, tuple[str, ...]] = {"mode": ("random", "echo")}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "mode": ("random", "echo"),
+    "scheduler": ("simple", "step"),
+}
 
 
 def _knob_fields() -> dict[str, type]:
@@ -101,7 +119,13 @@ def _knob_fields() -> dict[str, type]:
         value = getattr(defaults, f.name)
         if f.name in _SWITCHES:
             types[f.name] = bool
-        elif f.name in {"output_len", "crash_after_requests", "stall_after_tokens", "block_size"}:
+        elif f.name in {
+            "output_len",
+            "crash_after_requests",
+            "stall_after_tokens",
+            "block_size",
+            "kv_cache_tokens",
+        }:
             types[f.name] = int
         elif f.name in {"crash_after_seconds"}:
             types[f.name] = float
@@ -176,7 +200,14 @@ def _convert(name: str, source: str, raw: str | None) -> object:
     return value
 
 
-_POSITIVE = {"kv_cache_tokens", "block_size", "num_gpus", "embedding_dim", "gpu_memory_gib"}
+_POSITIVE = {
+    "kv_cache_tokens",
+    "block_size",
+    "num_gpus",
+    "embedding_dim",
+    "gpu_memory_gib",
+    "kv_bytes_per_token",
+}
 _FRACTIONS = {"free_memory_fraction", "error_rate"}
 
 

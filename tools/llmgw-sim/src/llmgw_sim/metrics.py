@@ -23,6 +23,8 @@ ITL_BUCKETS = (
     5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass
 class Histogram:
@@ -65,6 +67,7 @@ class Stats:
     kv_tokens: Callable[[], int] = lambda: 0
     prefix_queries: Callable[[], int] = lambda: 0
     prefix_hits: Callable[[], int] = lambda: 0
+    preemptions: Callable[[], int] = lambda: 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_ok: dict[str, int] = field(
@@ -85,6 +88,8 @@ class Stats:
     gen_len: Histogram = field(default_factory=lambda: Histogram(buckets_1_2_5(32768)))
     max_tokens_param: Histogram = field(default_factory=lambda: Histogram(buckets_1_2_5(32768)))
     decode_steps: int = 0
+    # Tokens per engine step (vLLM's vllm:iteration_tokens_total), step scheduler only.
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_BUCKETS))
     cache_info: dict[str, str] = field(default_factory=dict)
     # (max_loras, running adapters, waiting adapters) when LoRA is enabled.
     lora_info: Callable[[], tuple[int, list[str], list[str]]] | None = None
@@ -162,7 +167,10 @@ def render_vllm(stats: Stats, model_name: str) -> str:
          "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_queries()),
         ("vllm:prefix_cache_hits_total",
          "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_hits()),
-        ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+        ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+         stats.preemptions()),
+        ("vllm:prompt_tokens_cached_total",
+         "Number of cached prompt tokens (local prefix cache hits).", stats.prefix_hits()),
         ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens),
         ("vllm:generation_tokens_total", "Number of generation tokens processed.",
          stats.generation_tokens),
@@ -200,6 +208,8 @@ def render_vllm(stats: Stats, model_name: str) -> str:
          "Histogram of maximum number of requested generation tokens.", stats.gen_len),
         ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
          stats.max_tokens_param),
+        ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+         stats.iteration_tokens),
     )  # fmt: skip
     for name, help_, hist in histograms:
         _hist(out, name, help_, lbl, hist)

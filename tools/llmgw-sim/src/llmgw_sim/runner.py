@@ -16,6 +16,7 @@ from llmgw_sim.config import (
     EngineConfig,
     StartupError,
     check_devices,
+    check_kv_fits,
     check_memory,
     from_args,
 )
@@ -166,7 +167,7 @@ class Lifecycle:
 
     def _log_loaded(self) -> None:
         cfg, log, knobs = self.config, self.log, self.knobs
-        kv = knobs.kv_cache_tokens
+        kv = cfg.kv_tokens
         if self.kind == "vllm":
             log.info(
                 f"Loading weights took {knobs.load_time:.2f} seconds",
@@ -328,6 +329,7 @@ class Lifecycle:
             return await self._shutdown(engine)
         try:
             check_memory(cfg)
+            check_kv_fits(cfg)
         except StartupError as err:
             return self.fail(err, code=knobs.exit_code)
         if knobs.fail_on_load is not None:
@@ -374,7 +376,7 @@ class Lifecycle:
 
     async def _shutdown(self, engine: Engine) -> int:
         engine.draining = True
-        running = engine.slots.running + engine.slots.waiting
+        running = engine.busy
         if self.kind == "llama-server":
             self.log.raw("srv    operator(): operator(): cleaning up before exit...")
         else:

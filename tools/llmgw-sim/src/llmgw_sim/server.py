@@ -17,6 +17,7 @@ import msgspec
 
 from llmgw_sim import metrics
 from llmgw_sim.config import EngineConfig
+from llmgw_sim.driver import StepDriver, Waiter
 from llmgw_sim.httpserver import Request, Response, Stream
 from llmgw_sim.knobs import FAILURE_TYPES
 from llmgw_sim.model import (
@@ -39,6 +40,7 @@ from llmgw_sim.protocol import (
     parse_embedding,
     parse_tokenize,
 )
+from llmgw_sim.scheduler import Scheduler, SchedulerConfig, Seq, StepCosts, StepPlan, block_hashes
 
 
 class _Named(Protocol):
@@ -95,18 +97,43 @@ class Engine:
             knobs.time_factor_under_load,
         )
         self._jitter_rng = random.Random(knobs.seed + 1)
-        capacity_blocks = max(1, knobs.kv_cache_tokens // config.block_size)
+        kv = config.kv_tokens
+        capacity_blocks = max(1, kv // config.block_size)
         self.cache = PrefixCache(config.block_size, capacity_blocks, enabled=config.prefix_caching)
         self.slots = BatchSlots(config.max_num_seqs)
         self.kv_tokens_in_use = 0
-        self.stats = metrics.Stats(
-            running=lambda: self.slots.running,
-            waiting=lambda: self.slots.waiting,
-            kv_usage=lambda: min(1.0, self.kv_tokens_in_use / knobs.kv_cache_tokens),
-            kv_tokens=lambda: self.kv_tokens_in_use,
-            prefix_queries=lambda: self.cache.queries,
-            prefix_hits=lambda: self.cache.hits,
-        )
+        self.driver: StepDriver | None = None
+        if knobs.scheduler == "step":
+            sched = Scheduler(
+                SchedulerConfig(
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    num_blocks=capacity_blocks,
+                    block_size=config.block_size,
+                    prefix_caching=config.prefix_caching,
+                )
+            )
+            costs = StepCosts(knobs.prefill_rate, knobs.step_time, knobs.decode_seq_time)
+            self.driver = StepDriver(sched, costs, on_step=self._on_step)
+            bs = config.block_size
+            self.stats = metrics.Stats(
+                running=lambda: sched.num_running,
+                waiting=lambda: sched.num_waiting,
+                kv_usage=lambda: sched.cache.usage,
+                kv_tokens=lambda: sched.cache.referenced * bs,
+                prefix_queries=lambda: sched.prefix_queries,
+                prefix_hits=lambda: sched.prefix_hits,
+                preemptions=lambda: sched.preemptions,
+            )
+        else:
+            self.stats = metrics.Stats(
+                running=lambda: self.slots.running,
+                waiting=lambda: self.slots.waiting,
+                kv_usage=lambda: min(1.0, self.kv_tokens_in_use / kv),
+                kv_tokens=lambda: self.kv_tokens_in_use,
+                prefix_queries=lambda: self.cache.queries,
+                prefix_hits=lambda: self.cache.hits,
+            )
         self.stats.size_token_histograms(config.max_model_len)
         if config.lora_enabled:
             self.stats.lora_info = lambda: (
@@ -140,6 +167,18 @@ class Engine:
         self.vocab = Vocabulary()
 
     # ----- scheduling -------------------------------------------------------
+
+    def _on_step(self, plan: StepPlan) -> None:
+        self.stats.iteration_tokens.observe(plan.prefill_tokens + plan.decodes)
+        self.stats.decode_steps += 1
+
+    @property
+    def busy(self) -> int:
+        """Requests running or waiting (what a graceful stop waits for)."""
+        if self.driver is not None:
+            sched = self.driver.scheduler
+            return sched.num_running + sched.num_waiting
+        return self.slots.running + self.slots.waiting
 
     async def acquire(self) -> int:
         self._next_rid += 1
@@ -686,6 +725,10 @@ class Api:
         else:
             out_tokens = generate_tokens(count, knobs.seed + prompt_len)
 
+        if eng.driver is not None:
+            return await self._generate_stepped(
+                request, gen, prompt, out_tokens, finish, stall_after, arrival
+            )
         lora = gen.model if gen.model in eng.loras else None
         if lora is not None:
             _bump(eng.lora_waiting, lora, 1)
@@ -707,14 +750,10 @@ class Api:
                 await asyncio.sleep(delay)
             eng.cache.insert(hashes)
             first_token_at = time.monotonic()
-            stats.ttft.observe(first_token_at - arrival)
-            stats.prompt_tokens += prompt_len
-            stats.prompt_seconds += first_token_at - started
+            self._observe_first(arrival, started, first_token_at, prompt_len)
             eng.kv_tokens_in_use += count
             kv_held += count
-            headers: dict[str, str] | None = None
-            if eng.config.request_id_headers:
-                headers = {"X-Request-Id": request.headers.get("x-request-id") or eng.new_id("")}
+            headers = self._id_headers(request)
             if gen.stream:
                 resp = await self._stream(
                     request, gen, out_tokens, finish, prompt_len, stall_after, headers
@@ -724,23 +763,8 @@ class Api:
                 if decode > 0:
                     await asyncio.sleep(decode)
                 resp = self._full(gen, out_tokens, finish, prompt_len, headers)
-            done = time.monotonic()
-            stats.generation_tokens += count
-            stats.decode_seconds += done - first_token_at
             stats.decode_steps += count
-            if count > 1:
-                per_token = (done - first_token_at) / (count - 1)
-                stats.itl.observe_many(per_token, count - 1)
-                stats.tpot.observe(per_token)
-            stats.e2e.observe(done - arrival)
-            stats.queue_time.observe(started - arrival)
-            stats.prefill_time.observe(first_token_at - started)
-            stats.decode_time.observe(done - first_token_at)
-            stats.inference_time.observe(done - started)
-            stats.prompt_len.observe(prompt_len)
-            stats.gen_len.observe(count)
-            if gen.max_tokens is not None:
-                stats.max_tokens_param.observe(gen.max_tokens)
+            self._observe(gen, arrival, started, first_token_at, prompt_len, count)
             eng.finished(finish)
         except asyncio.CancelledError:
             # The client went away (or shutdown ran out of grace).
@@ -751,6 +775,11 @@ class Api:
             eng.release(rid)
             if lora is not None:
                 _bump(eng.lora_running, lora, -1)
+        self._crash_if_due(request, resp)
+        return resp
+
+    def _crash_if_due(self, request: Request, resp: Response | Stream) -> None:
+        eng = self.engine
         if eng.crash_due():
             # Deliver this response completely, then die as the engine would.
             if isinstance(resp, Response):
@@ -758,6 +787,104 @@ class Api:
                 head = conn.server.head(resp.status, resp.headers, len(resp.body), False)
                 conn.write(head + resp.body)
             eng.crash(f"after {eng.completed} requests")
+
+    def _id_headers(self, request: Request) -> dict[str, str] | None:
+        if not self.engine.config.request_id_headers:
+            return None
+        return {"X-Request-Id": request.headers.get("x-request-id") or self.engine.new_id("")}
+
+    def _observe_first(
+        self, arrival: float, started: float, first_token_at: float, prompt_len: int
+    ) -> None:
+        stats = self.engine.stats
+        stats.ttft.observe(first_token_at - arrival)
+        stats.prompt_tokens += prompt_len
+        stats.prompt_seconds += first_token_at - started
+
+    def _observe(
+        self,
+        gen: Generation,
+        arrival: float,
+        started: float,
+        first_token_at: float,
+        prompt_len: int,
+        count: int,
+    ) -> None:
+        stats = self.engine.stats
+        done = time.monotonic()
+        stats.generation_tokens += count
+        stats.decode_seconds += done - first_token_at
+        if count > 1:
+            per_token = (done - first_token_at) / (count - 1)
+            stats.itl.observe_many(per_token, count - 1)
+            stats.tpot.observe(per_token)
+        stats.e2e.observe(done - arrival)
+        stats.queue_time.observe(started - arrival)
+        stats.prefill_time.observe(first_token_at - started)
+        stats.decode_time.observe(done - first_token_at)
+        stats.inference_time.observe(done - started)
+        stats.prompt_len.observe(prompt_len)
+        stats.gen_len.observe(count)
+        if gen.max_tokens is not None:
+            stats.max_tokens_param.observe(gen.max_tokens)
+
+    async def _generate_stepped(
+        self,
+        request: Request,
+        gen: Generation,
+        prompt: list[Any],
+        out_tokens: list[str],
+        finish: str,
+        stall_after: int | None,
+        arrival: float,
+    ) -> Response | Stream:
+        """The step scheduler's path: queue in the engine, wait for its steps."""
+        eng = self.engine
+        driver = eng.driver
+        assert driver is not None
+        sched = driver.scheduler
+        prompt_len, count = len(prompt), len(out_tokens)
+        if not sched.fits(prompt_len, count):
+            cfg = eng.config
+            return eng.error(
+                400,
+                f"The request needs {prompt_len + count} tokens of KV cache; the cache holds "
+                f"{sched.config.num_blocks * cfg.block_size} tokens.",
+            )
+        eng._next_rid += 1
+        rid = eng._next_rid
+        hashes = (
+            block_hashes([str(t) for t in prompt], eng.config.block_size)
+            if eng.config.prefix_caching
+            else []
+        )
+        waiter = driver.submit(Seq(rid, prompt_len, count, hashes))
+        try:
+            while waiter.first_at is None and not waiter.done:
+                waiter.event.clear()
+                await waiter.event.wait()
+            first_token_at = waiter.first_at or time.monotonic()
+            started = waiter.admitted_at or first_token_at
+            self._observe_first(arrival, started, first_token_at, prompt_len)
+            headers = self._id_headers(request)
+            resp: Response | Stream
+            if gen.stream:
+                resp = await self._stream(
+                    request, gen, out_tokens, finish, prompt_len, stall_after, headers, waiter
+                )
+            else:
+                while not waiter.done:
+                    waiter.event.clear()
+                    await waiter.event.wait()
+                resp = self._full(gen, out_tokens, finish, prompt_len, headers)
+            self._observe(gen, arrival, started, first_token_at, prompt_len, count)
+            eng.finished(finish)
+        except asyncio.CancelledError:
+            eng.stats.requests_ok["abort"] += 1
+            raise
+        finally:
+            driver.abort(rid)  # frees its blocks when it did not finish (client gone)
+        self._crash_if_due(request, resp)
         return resp
 
     def _full(
@@ -840,7 +967,9 @@ class Api:
         prompt_len: int,
         stall_after: int | None,
         headers: dict[str, str] | None,
+        waiter: Waiter | None = None,
     ) -> Response | Stream:
+        """Write the SSE stream: paced by --sim-itl, or by the engine's steps (``waiter``)."""
         eng = self.engine
         chat = gen.endpoint == "chat"
         rid = eng.new_id("chatcmpl-" if chat else "cmpl-")
@@ -872,7 +1001,7 @@ class Api:
         n = len(tokens)
         itl = eng.timing.itl
         limit = n if stall_after is None else min(n, max(0, stall_after))
-        chunked = bool(n and (itl > 0 or limit < n or continuous))
+        chunked = bool(n and (itl > 0 or waiter is not None or limit < n or continuous))
         # A stream written in one piece may send its headers with the body (one
         # write instead of two); a paced one shows its headers at once.
         resp = Stream(request)
@@ -910,7 +1039,15 @@ class Api:
             # Paced, stalling or per-chunk usage: chunk by chunk.
             for i in range(limit):
                 parts.append(with_usage(open_ + encoded[i] + (end if i == n - 1 else mid), i + 1))
-                if itl > 0:
+                if waiter is not None:
+                    if i < n - 1 and waiter.tokens <= i + 1:
+                        # Everything sampled so far goes out in one write; then wait a step.
+                        await resp.write(b"".join(parts))
+                        parts.clear()
+                        while waiter.tokens <= i + 1 and not waiter.done:
+                            waiter.event.clear()
+                            await waiter.event.wait()
+                elif itl > 0:
                     await resp.write(b"".join(parts))
                     parts.clear()
                     if i < n - 1:
