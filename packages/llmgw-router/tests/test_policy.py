@@ -116,3 +116,66 @@ def test_successor_keeps_live_state_of_unchanged_endpoints() -> None:
     assert not ea.removed
     assert {ep.id for ep in second.for_model("m") or ()} == {"a", "c"}
     assert first.for_model("m") == (ea, eb), "the old set is not changed"
+
+
+@given(st.integers(0, 20), st.integers(1, 20), st.floats(0, 100))
+def test_ejection_cap(ejected: int, total: int, percent: float) -> None:
+    from llmgw_router.outlier import may_eject
+
+    policy = OutlierPolicy(max_ejection_percent=percent)
+    ejected = min(ejected, total)
+    allowed = may_eject(ejected, total, policy)
+    if ejected == 0:
+        assert allowed  # one may always go out
+    elif allowed:
+        assert (ejected + 1) * 100 <= percent * total
+
+
+@given(st.integers(0, 20), st.integers(0, 20), st.floats(0, 100))
+def test_panic_threshold(usable: int, total: int, threshold: float) -> None:
+    from llmgw_router.outlier import in_panic
+
+    usable = min(usable, total)
+    panic = in_panic(usable, total, OutlierPolicy(panic_threshold=threshold))
+    assert panic == (total > 0 and usable * 100 < threshold * total)
+    if usable == total:
+        assert not panic
+
+
+def test_a_capped_failure_counts_but_does_not_eject() -> None:
+    policy = OutlierPolicy(consecutive_failures=2)
+    state = OutlierState()
+    for _ in range(5):
+        state = record_failure(state, 1.0, policy, allowed=False)
+        assert state.ejected_until <= 1.0
+    # Room again: the very next failure ejects.
+    state = record_failure(state, 2.0, policy, allowed=True)
+    assert state.ejected_until > 2.0
+
+
+def test_every_endpoint_failing_at_once_leaves_the_model_served() -> None:
+    """The state's guards together: ejection stops at the cap; panic sees them all."""
+    from llmgw_router.config import EjectionConfig, RouterConfig
+    from llmgw_router.metrics import Metrics
+    from llmgw_router.state import RouterState
+
+    eps = [
+        Endpoint(spec=EndpointSpec(id=f"e{i}", url=f"http://e{i}", models=("m",))) for i in range(4)
+    ]
+    cfg = RouterConfig(ejection=EjectionConfig(consecutive_failures=1, base_time=60.0))
+    state = RouterState(cfg, EndpointSet(eps), Metrics())
+    for _ in range(3):
+        for ep in eps:
+            state.record_failure(ep, "timeout_first_byte")
+    import time
+
+    now = time.monotonic()
+    assert sum(1 for ep in eps if ep.outlier.ejected_until > now) == 2  # 50 % cap
+    usable = state.usable_among(eps, now)
+    assert sum(1 for ep in eps if usable(ep)) == 2
+    # Health checks failing too: panic does not bring back unhealthy ones...
+    eps[0].healthy = eps[1].healthy = eps[2].healthy = False
+    usable = state.usable_among(eps, now)
+    served = [ep for ep in eps if usable(ep)]
+    # ...but with 1 of 4 usable (< 50 %), ejected-yet-healthy endpoints serve again.
+    assert served and all(ep.healthy for ep in served)
