@@ -65,7 +65,8 @@ def test_bounded_load_holds(
         if not ready:
             assert picked is None
             continue
-        assert picked is not None and picked.up
+        assert picked is not None
+        assert picked.up
         if len(ready) > 1:
             assert bound_holds(picked, ready, epsilon)
         # Load moves as it would: the pick is charged.

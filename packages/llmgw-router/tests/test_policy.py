@@ -155,6 +155,7 @@ def test_a_capped_failure_counts_but_does_not_eject() -> None:
 
 def test_every_endpoint_failing_at_once_leaves_the_model_served() -> None:
     """The state's guards together: ejection stops at the cap; panic sees them all."""
+    from llmgw_proto.config import Duration
     from llmgw_router.config import EjectionConfig, RouterConfig
     from llmgw_router.metrics import Metrics
     from llmgw_router.state import RouterState
@@ -162,7 +163,7 @@ def test_every_endpoint_failing_at_once_leaves_the_model_served() -> None:
     eps = [
         Endpoint(spec=EndpointSpec(id=f"e{i}", url=f"http://e{i}", models=("m",))) for i in range(4)
     ]
-    cfg = RouterConfig(ejection=EjectionConfig(consecutive_failures=1, base_time=60.0))
+    cfg = RouterConfig(ejection=EjectionConfig(consecutive_failures=1, base_time=Duration(60.0)))
     state = RouterState(cfg, EndpointSet(eps), Metrics())
     for _ in range(3):
         for ep in eps:
@@ -178,4 +179,5 @@ def test_every_endpoint_failing_at_once_leaves_the_model_served() -> None:
     usable = state.usable_among(eps, now)
     served = [ep for ep in eps if usable(ep)]
     # ...but with 1 of 4 usable (< 50 %), ejected-yet-healthy endpoints serve again.
-    assert served and all(ep.healthy for ep in served)
+    assert served
+    assert all(ep.healthy for ep in served)

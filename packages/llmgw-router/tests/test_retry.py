@@ -53,7 +53,8 @@ def test_retry_only_within_every_limit(
     )
     within = retries < max_retries and now < deadline and (on_429 or reason != "status_429")
     if verdict is Verdict.RETRY:
-        assert within and tokens > 0
+        assert within
+        assert tokens > 0
     else:
         assert not within or tokens == 0
     # The budget is touched only for a retry every other rule allows.
