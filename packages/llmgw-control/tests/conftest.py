@@ -194,6 +194,7 @@ class FakeAgent:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._pid = 1000
+        self.stream: Any = None
 
     # --- what the tests look at -----------------------------------------------------
 
@@ -268,6 +269,7 @@ class FakeAgent:
             assert first is not None
             assert first.register_ack is not None
             self.acks.append(first.register_ack)
+            self.stream = stream
             self.connected.set()
             beats = asyncio.create_task(self._heartbeats(stream))
             try:
@@ -284,6 +286,11 @@ class FakeAgent:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5), self._lock:
                     await stream.end()
+
+    async def send(self, msg: v1.AgentMessage) -> None:
+        """Send ``msg`` up the open stream (a test's own LoadReport, CacheEvents, ...)."""
+        assert self.stream is not None, "not connected"
+        await self._send(self.stream, msg)
 
     async def _send(self, stream: Any, msg: v1.AgentMessage) -> None:
         async with self._lock:

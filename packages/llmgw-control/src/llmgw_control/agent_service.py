@@ -24,6 +24,7 @@ from llmgw_proto import v1
 from llmgw_proto.tls import peer_identity
 
 from llmgw_control.metrics import Metrics
+from llmgw_control.wire import MalformedMessage, recv
 
 __all__ = ["AgentEvents", "AgentService", "Session"]
 
@@ -39,6 +40,8 @@ class AgentEvents(Protocol):
     def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None: ...
     def on_shard_status(self, session: Session, msg: v1.ShardStatus) -> None: ...
     def on_disconnect(self, session: Session) -> None: ...
+    def on_load_report(self, session: Session, msg: v1.LoadReport) -> None: ...
+    def on_cache_events(self, session: Session, msg: v1.CacheEvents) -> None: ...
     def on_command_result(
         self, node_id: str, command_id: str, ok: bool, error: str, *, answered: bool
     ) -> None: ...
@@ -56,6 +59,9 @@ class Session:
 
 
 class AgentService:
+    # How often agents read their engines' metrics (RegisterAck.load_interval).
+    load_interval: float = 0.25
+
     def __init__(
         self,
         events: AgentEvents,
@@ -158,7 +164,8 @@ class AgentService:
         peer = stream.peer.addr() if stream.peer is not None else None
         peer_host = str(peer[0]) if peer else ""
         try:
-            first = await asyncio.wait_for(stream.recv_message(), self.register_timeout)
+            reading = recv(stream, "agent stream")
+            first = await asyncio.wait_for(reading, self.register_timeout)
         except TimeoutError:
             raise GRPCError(
                 grpclib.const.Status.DEADLINE_EXCEEDED, "no Register within the deadline"
@@ -199,6 +206,7 @@ class AgentService:
                 register_ack=v1.RegisterAck(
                     session_id=session.session_id,
                     heartbeat_interval=dt.timedelta(seconds=self.heartbeat_interval),
+                    load_interval=dt.timedelta(seconds=self.load_interval),
                     epoch=self.epoch,
                 )
             )
@@ -213,6 +221,7 @@ class AgentService:
             gpus=len(register.inventory.gpus) if register.inventory else 0,
         )
         tasks: set[asyncio.Task[None]] = set()
+        malformed: MalformedMessage | None = None
         try:
             self.events.on_register(session, register)
             tasks = {
@@ -222,10 +231,11 @@ class AgentService:
             }
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if not task.cancelled() and task.exception() is not None:
-                    log.info(
-                        "agent stream failed", node_id=session.node_id, error=repr(task.exception())
-                    )
+                failure = None if task.cancelled() else task.exception()
+                if isinstance(failure, MalformedMessage):
+                    malformed = failure  # already logged, with the peer
+                elif failure is not None:
+                    log.info("agent stream failed", node_id=session.node_id, error=repr(failure))
         finally:
             for task in tasks:
                 task.cancel()
@@ -238,6 +248,8 @@ class AgentService:
                 self._abandon(session)
                 self.events.on_disconnect(session)
                 log.info("agent disconnected", node_id=session.node_id)
+        if malformed is not None:
+            raise malformed
         if session.replaced.is_set():
             raise GRPCError(
                 grpclib.const.Status.ABORTED, "replaced by a newer stream for this node"
@@ -251,7 +263,7 @@ class AgentService:
 
     async def _recv_loop(self, stream: Stream, session: Session) -> None:
         events = self.events
-        async for msg in stream:
+        while (msg := await recv(stream, "agent stream")) is not None:
             if msg.heartbeat is not None:
                 self._heartbeat(session, msg.heartbeat)
             elif msg.shard_status is not None:
@@ -259,6 +271,10 @@ class AgentService:
             elif msg.command_result is not None:
                 session.pending.discard(msg.command_result.command_id)
                 self._answered(session.node_id, msg.command_result)
+            elif msg.load_report is not None:
+                events.on_load_report(session, msg.load_report)
+            elif msg.cache_events is not None:
+                events.on_cache_events(session, msg.cache_events)
             elif msg.register is not None:
                 log.warning("second Register on one stream ignored", node_id=session.node_id)
 

@@ -8,6 +8,7 @@ say, naming the file and field like every other config error.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -17,11 +18,14 @@ from llmgw_proto.config import BaseConfig, ConfigError, Duration
 from llmgw_proto.sizes import parse_size
 
 __all__ = [
+    "AutoscaleConfig",
     "Catalog",
     "GpuConstraint",
     "ModelConfig",
     "ProfileConfig",
     "ProfileSpec",
+    "ReplicaRange",
+    "RolloutConfig",
     "build_catalog",
 ]
 
@@ -37,6 +41,30 @@ class GpuConstraint(BaseConfig):
     min_memory: str | int = ""
 
 
+class ReplicaRange(BaseConfig):
+    """``replicas: {min, max}``: autoscaled between the two on the engines' load."""
+
+    min: NonNegative
+    max: Positive
+
+
+class AutoscaleConfig(BaseConfig):
+    # waiting: requests queued per ready replica; kv_cache: mean KV-cache use (0..1).
+    metric: Literal["waiting", "kv_cache"] = "waiting"
+    target: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    # Scale up once the target has been exceeded this long ...
+    up_after: Duration = Duration(30.0)
+    # ... and down (by drain) once the load would fit one replica fewer for this long.
+    down_after: Duration = Duration(300.0)
+
+
+class RolloutConfig(BaseConfig):
+    # New replicas started above the wanted count while a changed profile rolls ...
+    max_surge: NonNegative = 1
+    # ... and ready replicas that may be missing meanwhile.
+    max_unavailable: NonNegative = 0
+
+
 class ProfileConfig(BaseConfig):
     engine: EngineName
     model_ref: str = ""
@@ -47,7 +75,11 @@ class ProfileConfig(BaseConfig):
     nodes: Positive = 1
     gpu: GpuConstraint = msgspec.field(default_factory=GpuConstraint)
     same_label: str = ""
-    replicas: NonNegative = 1
+    replicas: NonNegative | ReplicaRange = 1
+    autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    # With replicas.min 0: back to zero after no request and no demand for this long.
+    idle_after: Duration = Duration(600.0)
     served_model_names: list[str] = []
     weight: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1
     load_timeout: Duration = Duration(600.0)
@@ -74,14 +106,52 @@ class ProfileSpec:
     gpu_name: str
     min_memory_bytes: int
     same_label: str
+    # Wanted replicas: the fixed count, or the autoscaler's floor (replicas.min).
     replicas: int
     served_model_names: tuple[str, ...]
     weight: int
     load_timeout: float
+    min_replicas: int = -1
+    max_replicas: int = -1
+    autoscale_metric: str = "waiting"
+    autoscale_target: float = 4.0
+    up_after: float = 30.0
+    down_after: float = 300.0
+    idle_after: float = 600.0
+    max_surge: int = 1
+    max_unavailable: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            object.__setattr__(self, "min_replicas", self.replicas)
+        if self.max_replicas < 0:
+            object.__setattr__(self, "max_replicas", self.replicas)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.model, self.name)
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.max_replicas > self.min_replicas
+
+    @property
+    def revision(self) -> str:
+        """What the engine is started with; a change rolls the replicas (replicas alone scale)."""
+        launch = (
+            self.engine,
+            self.model_ref,
+            self.engine_args,
+            self.env,
+            self.gpus_per_node,
+            self.cpu_threads,
+            self.nodes,
+            self.gpu_name,
+            self.min_memory_bytes,
+            self.same_label,
+            self.served_model_names,
+        )
+        return hashlib.blake2b(repr(launch).encode(), digest_size=6).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -102,6 +172,13 @@ class Catalog:
 
     def of_model(self, model: str) -> list[ProfileSpec]:
         return [p for p in self.profiles if p.model == model]
+
+    def model_of(self, name: str) -> str | None:
+        """The model a client's name means: a model name or one of its served names."""
+        for p in self.profiles:
+            if name == p.model or name in p.served_model_names:
+                return p.model
+        return None
 
 
 # Names become parts of replica and shard ids and of metric labels: keep them plain.
@@ -222,6 +299,32 @@ def _check_profile(
         )
     if profile.load_timeout <= 0:
         raise ConfigError(source, "load_timeout must be > 0", f"{where}.load_timeout")
+    if isinstance(profile.replicas, ReplicaRange):
+        low, high = profile.replicas.min, profile.replicas.max
+        if low > high:
+            raise ConfigError(
+                source, f"min ({low}) must not exceed max ({high})", f"{where}.replicas"
+            )
+    else:
+        low = high = profile.replicas
+    a = profile.autoscale
+    if a.metric == "kv_cache" and a.target > 1:
+        raise ConfigError(
+            source,
+            f"a kv_cache target is a share of the cache, 0..1 (got {a.target:g})",
+            f"{where}.autoscale.target",
+        )
+    for window in ("up_after", "down_after"):
+        if getattr(a, window) < 0:
+            raise ConfigError(source, f"{window} must be >= 0", f"{where}.autoscale.{window}")
+    if profile.idle_after <= 0:
+        raise ConfigError(source, "idle_after must be > 0", f"{where}.idle_after")
+    if profile.rollout.max_surge == 0 and profile.rollout.max_unavailable == 0:
+        raise ConfigError(
+            source,
+            "max_surge and max_unavailable cannot both be 0: a rollout could never start",
+            f"{where}.rollout",
+        )
     return ProfileSpec(
         model=model,
         name=name,
@@ -235,8 +338,17 @@ def _check_profile(
         gpu_name=profile.gpu.name or "*",
         min_memory_bytes=min_memory,
         same_label=profile.same_label,
-        replicas=profile.replicas,
+        replicas=low,
         served_model_names=served,
         weight=profile.weight,
         load_timeout=float(profile.load_timeout),
+        min_replicas=low,
+        max_replicas=high,
+        autoscale_metric=a.metric,
+        autoscale_target=float(a.target),
+        up_after=float(a.up_after),
+        down_after=float(a.down_after),
+        idle_after=float(profile.idle_after),
+        max_surge=profile.rollout.max_surge,
+        max_unavailable=profile.rollout.max_unavailable,
     )

@@ -25,7 +25,13 @@ from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, NodeState
 from llmgw_control.metrics import Metrics
-from llmgw_control.publish import EndpointInfo, Publisher, address_problem, engine_generation
+from llmgw_control.publish import (
+    DeclaredInfo,
+    EndpointInfo,
+    Publisher,
+    address_problem,
+    engine_generation,
+)
 from llmgw_control.reconciler import (
     Command,
     ControlState,
@@ -104,6 +110,7 @@ class Controller:
         self.state = ControlState(started_at=time.monotonic())
         self.started = dt.datetime.now(dt.UTC)
         self.publisher = Publisher(self.metrics)
+        self.publisher.on_demand = self.on_demand
         self.agents = AgentService(
             self,
             heartbeat_interval=self.config.control.heartbeat_interval,
@@ -120,6 +127,9 @@ class Controller:
         self._next_at = 0.0
         self._resync_at = 0.0
         self.ticks = 0
+        # model -> when a router last said it holds requests for it (ReportDemand).
+        self.demand: dict[str, float] = {}
+        self.agents.load_interval = float(self.config.control.load_interval)
         # replica id -> why routers may not reach its published URL (logged once each).
         self.address_problems: dict[str, str] = {}
         self.metrics.count_fleet(self.node_counts, self.replica_counts)
@@ -136,6 +146,7 @@ class Controller:
 
     def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
         self.inventory.heartbeat(session.node_id, session.session_id, msg, time.monotonic())
+        self.publisher.loads.heard(session.node_id, time.monotonic())
         node = self.inventory.nodes.get(session.node_id)
         if node is not None and node.state != NodeState.READY:
             self._wake.set()
@@ -151,6 +162,37 @@ class Controller:
             reason=msg.reason or None,
         )
         self._changed()
+
+    def _current(self, session: Session) -> bool:
+        node = self.inventory.nodes.get(session.node_id)
+        return node is not None and node.session_id == session.session_id
+
+    def on_load_report(self, session: Session, msg: v1.LoadReport) -> None:
+        if self._current(session):
+            self.publisher.loads.report(session.node_id, msg, time.monotonic())
+
+    def on_cache_events(self, session: Session, msg: v1.CacheEvents) -> None:
+        if self._current(session):
+            self.publisher.loads.cache_events(session.node_id, msg, time.monotonic())
+
+    def on_demand(self, request: v1.DemandRequest) -> v1.DemandReply:
+        """A router holds requests for a model (ReportDemand)."""
+        model = self.catalog.model_of(request.model)
+        if model is None:
+            return v1.DemandReply(accepted=False, reason=f"no such model {request.model!r}")
+        self.demand[model] = time.monotonic()
+        log.info("demand", model=model, router_id=request.router_id, held=request.held)
+        self._changed()
+        return v1.DemandReply(accepted=True)
+
+    def declared(self) -> list[DeclaredInfo]:
+        """Every model of the catalog, for the snapshot, replicas or not."""
+        out = []
+        for name in self.catalog.models():
+            profiles = self.catalog.of_model(name)
+            served = tuple(dict.fromkeys(n for p in profiles for n in p.served_model_names))
+            out.append(DeclaredInfo(name, served, any(p.min_replicas == 0 for p in profiles)))
+        return out
 
     def on_disconnect(self, session: Session) -> None:
         self.inventory.disconnect(session.node_id, session.session_id)
@@ -208,7 +250,7 @@ class Controller:
             self._dirty = True
         if not self.publisher.primed.is_set() and now >= self.state.started_at + c.startup_grace:
             # Agents have had their grace to report what runs: publish from now on.
-            self.publisher.update(self.endpoints())
+            self.publisher.update(self.endpoints(), self.declared())
             self.publisher.primed.set()
         # Same input, no deadline due: the pass would send nothing. On a large fleet
         # a pass costs enough to delay heartbeats, so it is not run for nothing.
@@ -222,7 +264,7 @@ class Controller:
         self._next_at = decision.next_at
         for command in decision.commands:
             self._dispatch(command)
-        self.publisher.update(self.endpoints())
+        self.publisher.update(self.endpoints(), self.declared())
         self.inventory.prune(
             {p.shard_id for r in self.state.replicas.values() for p in r.shards}, now
         )
@@ -297,6 +339,7 @@ class Controller:
         self.config = loaded.config
         self.catalog = loaded.catalog
         self.settings = settings_of(loaded.config.control)
+        self.agents.load_interval = float(loaded.config.control.load_interval)
         log.info("config reloaded", profiles=len(loaded.catalog.profiles))
         self._changed()
 
@@ -338,6 +381,7 @@ class Controller:
                     labels=tuple(sorted(node.labels.items())),
                     replica_id=r.replica_id,
                     health_path=HEALTH_PATH,
+                    shard_id=leader.shard_id,
                     generation=engine_generation(leader.shard_id, report.pid),
                     engine=profile.engine,
                 )
@@ -376,6 +420,7 @@ class Controller:
             streams=len(self.agents.sessions),
             published={e.replica_id: e for e in self.publisher.endpoints},
             address_problems=self.address_problems,
+            loads=self.publisher.loads.as_json(time.monotonic()),
         )
 
     def status(self) -> dict[str, Any]:

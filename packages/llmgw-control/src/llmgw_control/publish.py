@@ -17,7 +17,7 @@ import hashlib
 import ipaddress
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grpclib.const
@@ -27,9 +27,17 @@ from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
 from llmgw_proto.tls import peer_identity
 
+from llmgw_control.loads import LoadBook
 from llmgw_control.metrics import Metrics
+from llmgw_control.wire import recv
 
-__all__ = ["EndpointInfo", "Publisher", "address_problem", "engine_generation"]
+__all__ = [
+    "DeclaredInfo",
+    "EndpointInfo",
+    "Publisher",
+    "address_problem",
+    "engine_generation",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +58,8 @@ class EndpointInfo(NamedTuple):
     # Changes whenever the engine process behind the endpoint changes.
     generation: int = 0
     engine: str = ""
+    # The leader shard behind it: where its load figures come from.
+    shard_id: str = ""
 
     def message(self) -> v1.Endpoint:
         return v1.Endpoint(
@@ -132,10 +142,38 @@ def address_problem(
     )
 
 
+class DeclaredInfo(NamedTuple):
+    """A model the catalog declares, published with or without ready replicas."""
+
+    name: str
+    served_model_names: tuple[str, ...]
+    scale_to_zero: bool
+
+    def message(self) -> v1.DeclaredModel:
+        return v1.DeclaredModel(
+            name=self.name,
+            served_model_names=list(self.served_model_names),
+            scale_to_zero=self.scale_to_zero,
+        )
+
+
+# WatchLoad: at most this many updates a second per router, and every endpoint's
+# figures again at least this often (their age tells the router how fresh they are).
+LOAD_UPDATES_PER_SECOND = 10
+LOAD_REFRESH = 1.0
+
+DemandHook = Callable[[v1.DemandRequest], v1.DemandReply]
+
+
 class Publisher:
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.version = int(time.time() * 1000)
         self.endpoints: tuple[EndpointInfo, ...] = ()
+        self.models: tuple[DeclaredInfo, ...] = ()
+        # The engines' load figures, streamed on WatchLoad apart from the snapshots.
+        self.loads = LoadBook()
+        # Set by the controller: what ReportDemand does with a router's demand.
+        self.on_demand: DemandHook | None = None
         self._snapshot: v1.EndpointSnapshot | None = None
         self._subscribers: set[asyncio.Event] = set()
         self._metrics = metrics
@@ -174,17 +212,26 @@ class Publisher:
     def snapshot(self) -> v1.EndpointSnapshot:
         if self._snapshot is None or self._snapshot.version != self.version:
             self._snapshot = v1.EndpointSnapshot(
-                version=self.version, endpoints=[e.message() for e in self.endpoints]
+                version=self.version,
+                endpoints=[e.message() for e in self.endpoints],
+                models=[m.message() for m in self.models],
             )
         return self._snapshot
 
-    def update(self, endpoints: Sequence[EndpointInfo]) -> bool:
-        """Publish ``endpoints`` if they differ from the current set; True if they did."""
+    def update(
+        self, endpoints: Sequence[EndpointInfo], models: Sequence[DeclaredInfo] | None = None
+    ) -> bool:
+        """Publish ``endpoints`` (and ``models``) if they differ from what is; True if so."""
         # Plain tuples compare fast; proto messages are built only for a new version.
         ordered = tuple(sorted(endpoints))
-        if ordered == self.endpoints:
+        declared = self.models if models is None else tuple(sorted(models))
+        self.loads.set_endpoints(
+            {e.id: (e.shard_id, e.generation) for e in ordered}, time.monotonic()
+        )
+        if ordered == self.endpoints and declared == self.models:
             return False
         self.endpoints = ordered
+        self.models = declared
         self.version = max(self.version + 1, int(time.time() * 1000))
         for event in self._subscribers:
             event.set()
@@ -201,13 +248,61 @@ class Publisher:
                 grpclib.const.Cardinality.UNARY_STREAM,
                 v1.WatchRequest,
                 v1.EndpointSnapshot,
-            )
+            ),
+            "/llmgw.v1.EndpointService/WatchLoad": grpclib.const.Handler(
+                self.watch_load,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                v1.WatchRequest,
+                v1.LoadUpdate,
+            ),
+            "/llmgw.v1.EndpointService/ReportDemand": grpclib.const.Handler(
+                self.report_demand,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                v1.DemandRequest,
+                v1.DemandReply,
+            ),
         }
+
+    async def watch_load(
+        self, stream: grpclib.server.Stream[v1.WatchRequest, v1.LoadUpdate]
+    ) -> None:
+        """A full picture of every endpoint's load, then coalesced changes."""
+        request = await recv(stream, "load watch stream") or v1.WatchRequest()
+        self._check_router(stream, request.router_id)
+        sub = self.loads.subscribe(request.router_id)
+        log.info("router watches load", router_id=request.router_id)
+        try:
+            await stream.send_message(self.loads.full(sub, time.monotonic()))
+            gap = 1.0 / LOAD_UPDATES_PER_SECOND
+            while True:
+                refresh = False
+                try:
+                    await asyncio.wait_for(sub.changed.wait(), LOAD_REFRESH)
+                except TimeoutError:
+                    refresh = True
+                update = self.loads.take(sub, time.monotonic(), refresh=refresh)
+                if update is not None:
+                    await stream.send_message(update)
+                # Coalesce: what changes meanwhile goes out together in the next update.
+                await asyncio.sleep(gap)
+        finally:
+            self.loads.unsubscribe(sub)
+
+    async def report_demand(
+        self, stream: grpclib.server.Stream[v1.DemandRequest, v1.DemandReply]
+    ) -> None:
+        request = await recv(stream, "demand call") or v1.DemandRequest()
+        self._check_router(stream, request.router_id)
+        if self.on_demand is None:
+            reply = v1.DemandReply(accepted=False, reason="this control plane takes no demand")
+        else:
+            reply = self.on_demand(request)
+        await stream.send_message(reply)
 
     async def watch(
         self, stream: grpclib.server.Stream[v1.WatchRequest, v1.EndpointSnapshot]
     ) -> None:
-        request = await stream.recv_message() or v1.WatchRequest()
+        request = await recv(stream, "watch stream") or v1.WatchRequest()
         router_id = request.router_id
         self._check_router(stream, router_id)
         await self.primed.wait()
