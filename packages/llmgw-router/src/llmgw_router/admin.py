@@ -61,7 +61,9 @@ def admin_app(state: RouterState) -> Starlette:
         endpoints = state.endpoints
         if state.draining:
             return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
-        if len(endpoints) == 0:
+        if len(endpoints) == 0 and not (state.has_snapshot and endpoints.declared):
+            # A snapshot that declares models, all scaled to zero, is something to serve:
+            # requests for them are held until a replica starts.
             return JSONResponse({"ready": False, "reason": "no endpoints yet"}, status_code=503)
         return JSONResponse(
             {"ready": True, "endpoints": len(endpoints), "version": endpoints.version}
