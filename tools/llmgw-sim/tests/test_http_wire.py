@@ -130,7 +130,7 @@ def test_http_10_closes_after_response(sim: Sim) -> None:
             data += chunk
     assert data.startswith(b"HTTP/1.1 200 OK")
     assert b"connection: close" in data.lower()
-    assert data.endswith(b'{"version":"0.11.0"}')
+    assert data.endswith(b'{"version":"0.32.0"}')
 
 
 def test_unknown_path_method_and_garbage(sim: Sim) -> None:

@@ -40,7 +40,7 @@ def test_models_lists_every_served_name(vllm: Sim, oai: openai.OpenAI) -> None:
 
 def test_version_and_health(vllm: Sim, client: httpx.Client) -> None:
     assert client.get(vllm.url + "/health").status_code == 200
-    assert client.get(vllm.url + "/version").json() == {"version": "0.11.0"}
+    assert client.get(vllm.url + "/version").json() == {"version": "0.32.0"}
 
 
 def test_chat_non_streaming_carries_usage(vllm: Sim, client: httpx.Client) -> None:

@@ -7,15 +7,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmgw_sim.flags import FLAG_TABLES, EngineKind
+from llmgw_sim.flags import EngineKind, resolve_version
 from llmgw_sim.knobs import Knobs
-
-# Versions reported by /version and in start-up logs: recent real releases.
-DEFAULT_VERSIONS: dict[EngineKind, str] = {
-    "vllm": "0.11.0",
-    "sglang": "0.5.4",
-    "llama-server": "6700",
-}
 
 
 class StartupError(Exception):
@@ -86,15 +79,6 @@ class EngineConfig:
         return per_node * dp_here
 
 
-def _non_default(kind: EngineKind, ns: argparse.Namespace) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for flag in FLAG_TABLES[kind]:
-        value = getattr(ns, flag.dest, None)
-        if value != flag.default:
-            out[flag.dest] = value
-    return out
-
-
 # KV cache when nothing sets it: the simple scheduler's historical 128 Ki tokens; the step
 # scheduler's is what vLLM reports for an 8B bf16 model (128 KiB per token) on an 80 GB
 # H100 at --gpu-memory-utilization 0.9: 72 GiB - 16 GiB weights - ~4 GiB activations.
@@ -134,14 +118,13 @@ def from_args(
     environ: Mapping[str, str] | None = None,
 ) -> EngineConfig:
     """Build the configuration; raises StartupError the way the engine's own checks would."""
-    non_default = _non_default(kind, ns)
-    version = knobs.version or DEFAULT_VERSIONS[kind]
+    non_default = dict(getattr(ns, "non_default_args", {}))
+    # The version whose help the command line was parsed with (--sim-version, or the newest).
+    version = resolve_version(kind, knobs.version)
     if kind == "vllm":
         flag = (environ or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")
         runtime_lora = flag.strip().lower() in ("1", "true")
         model = ns.model_tag or ns.model
-        if ns.model_tag:
-            non_default["model"] = ns.model_tag
         names = list(ns.served_model_name or [model])
         for name, value in (
             ("tensor_parallel_size", ns.tensor_parallel_size),

@@ -103,7 +103,8 @@ _HELP: dict[str, str] = {
     "stall_after_tokens": "streams stop sending (but stay open) after this many tokens",
     "shutdown_grace": "seconds running requests get to finish after SIGTERM",
     "embedding_dim": "length of the vectors /v1/embeddings returns",
-    "version": "engine version to report (default: a recent release of the engine)",
+    "version": "engine version to simulate: whose captured help the flags come from, and what "
+    "/version reports (default: the newest captured)",
     "log_requests": "log one line per finished request",
 }
 _CHOICES: dict[str, tuple[str, ...]] = {

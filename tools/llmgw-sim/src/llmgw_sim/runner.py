@@ -20,7 +20,7 @@ from llmgw_sim.config import (
     check_memory,
     from_args,
 )
-from llmgw_sim.flags import EngineKind, parse_engine_args
+from llmgw_sim.flags import EngineKind, parse_engine_args, resolve_version
 from llmgw_sim.knobs import KnobError, load_knobs, split_sim_args
 from llmgw_sim.logs import (
     EngineLog,
@@ -133,7 +133,8 @@ class Lifecycle:
             args = ", ".join(f"{k}={v!r}" for k, v in cfg.non_default_args.items())
             log.info(f"server_args=ServerArgs({args})")
         else:
-            log.raw(f"build: {cfg.version} (llmgwsim) with cc (GCC) for x86_64-linux-gnu")
+            build = cfg.version.lstrip("b")
+            log.raw(f"build: {build} (llmgwsim) with cc (GCC) for x86_64-linux-gnu")
             log.raw(f"system info: n_threads = {os.cpu_count()}, total_threads = {os.cpu_count()}")
             log.raw("main: binding port with default address family")
 
@@ -411,7 +412,12 @@ def run_engine(kind: EngineKind, argv: Sequence[str]) -> int:
     except KnobError as err:
         sys.stderr.write(f"llmgw-sim: error: {err}\n")
         return 2
-    ns = parse_engine_args(kind, engine_argv)
+    try:
+        version = resolve_version(kind, knobs.version)
+    except ValueError as err:
+        sys.stderr.write(f"llmgw-sim: error: --sim-version: {err}\n")
+        return 2
+    ns = parse_engine_args(kind, engine_argv, version)
     log = EngineLog(kind)
     if not 0 <= ns.port <= 65535:
         # getaddrinfo would quietly wrap the number around; refuse it instead.

@@ -562,7 +562,7 @@ class Api:
             "total_slots": cfg.max_num_seqs,
             "model_path": cfg.model,
             "model_alias": cfg.primary_name,
-            "build_info": f"b{cfg.version}-llmgwsim",
+            "build_info": f"b{cfg.version.lstrip('b')}-llmgwsim",
             "chat_template": "",
         }
         return Response(body=_enc(body), content_type=_JSON)
