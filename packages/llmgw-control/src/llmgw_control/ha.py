@@ -56,6 +56,7 @@ class EtcdBackend:
 
         assert isinstance(store, EtcdStore)
         self.store = store
+        store.ha = True
         self.instance = instance
         self.address = address
         self.ttl = max(round(ttl), 1)
@@ -65,14 +66,25 @@ class EtcdBackend:
     async def acquire(self) -> int | None:
         client = self.store.client
         t = client.transactions
+        epoch_key = self.store.key("epoch")
+        prev = await self.store._call(client.get(epoch_key))
+        # Never below the wall clock's seconds, never below the last epoch + 1: newer than
+        # any epoch an agent saw, even from a control plane whose store was replaced.
+        epoch = max(int(prev.value) + 1 if prev is not None else 1, int(time.time()))
         lease = await self.store._call(client.lease(self.ttl))
         claim = json.dumps(
-            {"instance": self.instance, "address": self.address, "lease": lease.id}
+            {"instance": self.instance, "address": self.address, "lease": lease.id, "epoch": epoch}
         ).encode()
+        unchanged = (
+            t.mod(epoch_key) == prev.mod_revision if prev is not None else t.version(epoch_key) == 0
+        )
         ok, _ = await self.store._call(
             client.transaction(
-                compare=[t.create(self.key) == 0],
-                success=[t.put(self.key, claim, lease=lease)],
+                compare=[t.create(self.key) == 0, unchanged],
+                success=[
+                    t.put(self.key, claim, lease=lease),
+                    t.put(epoch_key, str(epoch).encode()),
+                ],
                 failure=[],
             )
         )
@@ -80,12 +92,9 @@ class EtcdBackend:
             with contextlib.suppress(StoreError):
                 await self.store._call(client.revoke_lease(lease.id))
             return None
-        got = await self.store._call(client.get(self.key))
-        if got is None or bytes(got.value) != claim:
-            return None
         self.lease = lease
         self.store.fence = (self.key, claim)
-        return int(got.create_revision)
+        return epoch
 
     async def renew(self) -> bool:
         if self.lease is None:
@@ -114,6 +123,7 @@ class PostgresBackend:
 
         assert isinstance(store, PostgresStore)
         self.store = store
+        store.ha = True
         self.instance = instance
         self.address = address
 
@@ -130,8 +140,10 @@ class PostgresBackend:
             if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
                 return None
             epoch = await conn.fetchval(
-                "INSERT INTO llmgw_leader (id, epoch, instance, address) VALUES (1, 1, $1, $2)"
-                " ON CONFLICT (id) DO UPDATE SET epoch = llmgw_leader.epoch + 1,"
+                "INSERT INTO llmgw_leader (id, epoch, instance, address)"
+                " VALUES (1, extract(epoch from now())::bigint, $1, $2)"
+                " ON CONFLICT (id) DO UPDATE SET epoch = GREATEST(llmgw_leader.epoch + 1,"
+                " extract(epoch from now())::bigint),"
                 " instance = excluded.instance, address = excluded.address, since = now()"
                 " RETURNING epoch",
                 self.instance,
@@ -140,7 +152,6 @@ class PostgresBackend:
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
             await self._drop()
             raise StoreError(f"{self.store.description}: {err}") from None
-        self.store.fenced = True
         return int(epoch)
 
     async def renew(self) -> bool:
@@ -164,7 +175,6 @@ class PostgresBackend:
     async def _drop(self) -> None:
         # A session that may still hold the lock is closed: the lock goes with it.
         conn, self.store.conn = self.store.conn, None
-        self.store.fenced = False
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.terminate()

@@ -91,7 +91,9 @@ class Stateful:
         await self.store.open()
         restored = await self.keeper.load()
         if self.leadership is None:
-            epoch = int(self.keeper.get(META, "epoch") or b"0") + 1
+            # Newer than the last one, and than the wall clock's seconds: newer than any
+            # epoch an agent saw, even if the state file was lost.
+            epoch = max(int(self.keeper.get(META, "epoch") or b"0") + 1, int(time.time()))
             await self.store.write([Change(META, "epoch", str(epoch).encode())])
             self.keeper.other.setdefault(META, {})["epoch"] = str(epoch).encode()
             self._epoch(epoch)
@@ -105,6 +107,8 @@ class Stateful:
             )
             # A standby holds nothing: the state is read again when it is elected.
             self.keeper.reset()
+            if self.keeper.persister is not None:
+                self.keeper.persister.enabled = False
 
     def _epoch(self, epoch: int) -> None:
         self.controller.agents.epoch = epoch
@@ -119,6 +123,7 @@ class Stateful:
 
     def _start_leading(self) -> None:
         assert self.keeper.persister is not None
+        self.keeper.persister.enabled = True
         self.controller.agents.dispatching = True
         self._persist = asyncio.create_task(self.keeper.persister.run())
         self._reconciler = asyncio.create_task(self.controller.run())
@@ -153,6 +158,8 @@ class Stateful:
         if self.gate is not None:
             self.gate.end_all()
         self.keeper.reset()
+        if self.keeper.persister is not None:
+            self.keeper.persister.enabled = False
         c.publisher.primed.clear()
 
     async def stop(self) -> None:

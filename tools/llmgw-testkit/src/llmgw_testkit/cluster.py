@@ -174,6 +174,10 @@ class Cluster(SystemView):
         lo = 20000 + (os.getpid() * 97) % 12000
         self.timings["port_range"] = [lo, lo + 499]
         self.timings.update(timings or {})
+        # Top-level control.yaml sections merged over the defaults (state:, ha:, ...).
+        self.control_extra: dict[str, Any] = {}
+        # Several control-plane instances (HA): agents and routers get every address.
+        self.control_addresses: list[str] = []
         if not insecure:
             self.make_certs()
 
@@ -232,6 +236,9 @@ class Cluster(SystemView):
             "models": models,
         }
         config["tls"] = {"insecure": True} if self.insecure else self._tls("server-localhost")
+        # The control plane's state store (SQLite); a restarted control plane reads it back.
+        config["state"] = {"state_dir": str(self.workdir / "control-state")}
+        config.update(self.control_extra)
         return config
 
     def start_control(self, models: list[dict[str, Any]], *, wait: bool = True) -> Proc:
@@ -254,6 +261,7 @@ class Cluster(SystemView):
             "control": {
                 "address": f"127.0.0.1:{self.grpc_port}",
                 "tls": {"insecure": True} if self.insecure else self.node_cert(node_id),
+                **({"addresses": self.control_addresses} if self.control_addresses else {}),
             },
             "labels": labels or {},
             "simulate_gpus": {"count": gpus, "name": "NVIDIA H200", "memory": "141GB"},
@@ -301,6 +309,7 @@ class Cluster(SystemView):
                 "tls": {"insecure": True} if self.insecure else self.router_cert("it-router"),
                 "backoff_base": "200ms",
                 "backoff_cap": "2s",
+                **({"addresses": self.control_addresses} if self.control_addresses else {}),
             },
             "health_checks": {"interval": "500ms"},
         }

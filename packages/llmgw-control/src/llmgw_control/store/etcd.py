@@ -39,8 +39,10 @@ class EtcdStore:
         self.prefix = settings.prefix.rstrip("/")
         self.description = f"etcd store {', '.join(settings.endpoints)} ({setting})"
         self.client: Any = None
-        # The leader claim every write is fenced on; None = not HA (no fence).
+        # The leader claim every write is fenced on (set while this instance leads).
         self.fence: tuple[bytes, bytes] | None = None
+        # With HA, a write without a claim (a standby, a deposed leader) is refused.
+        self.ha = False
 
     def key(self, *parts: str) -> bytes:
         return "/".join((self.prefix, *parts)).encode()
@@ -110,6 +112,8 @@ class EtcdStore:
     async def txn(self, ops: list[Any]) -> None:
         t = self.client.transactions
         compare = []
+        if self.ha and self.fence is None:
+            raise NotLeader(f"{self.description}: this instance does not lead")
         if self.fence is not None:
             leader_key, claim = self.fence
             compare = [t.value(leader_key) == claim]

@@ -56,8 +56,8 @@ class PostgresStore:
         self.setting = setting
         self.description = f"postgres store {_redacted(settings.dsn)} ({setting})"
         self.conn: Any = None
-        # True once this instance leads: every write verifies the lock first.
-        self.fenced = False
+        # With HA, every write first verifies that this session holds the leader lock.
+        self.ha = False
 
     async def connect(self) -> Any:
         password = None
@@ -123,9 +123,11 @@ class PostgresStore:
         net = group(changes)
         puts = [(k, key, v) for (k, key), v in net.items() if v is not None]
         dels = [(k, key) for (k, key), v in net.items() if v is None]
+        if self.ha and (self.conn is None or self.conn.is_closed()):
+            raise NotLeader(f"{self.description}: no session holds the leader lock")
         try:
             async with self.conn.transaction():
-                if self.fenced and await self.conn.fetchval(HELD, *lock_parts()) != 1:
+                if self.ha and await self.conn.fetchval(HELD, *lock_parts()) != 1:
                     raise NotLeader(f"{self.description}: this session lost the leader lock")
                 if puts:
                     await self.conn.executemany(
@@ -137,8 +139,10 @@ class PostgresStore:
                     await self.conn.executemany(
                         "DELETE FROM llmgw_records WHERE kind = $1 AND key = $2", dels
                     )
+        except NotLeader:
+            raise
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
-            if self.fenced:
+            if self.ha:
                 # The session (and with it the lock) may be gone: not the leader any more.
                 raise NotLeader(f"{self.description}: write failed as leader: {err}") from None
             raise StoreError(f"{self.description}: write failed: {err}") from None

@@ -1,0 +1,431 @@
+"""State stores against the real thing: SQLite files, a real etcd, a real PostgreSQL.
+
+Records written come back; a store that cannot be read (a corrupt or foreign file, a
+newer schema, an unreachable etcd, a wrong password) is a StoreError that names the
+store and the setting, and `llmgw-control serve` stops with exit 2 saying so.
+Fenced writes fail once another instance leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_control.config import EtcdSettings, HaSettings, PostgresSettings
+from llmgw_control.ha import EtcdBackend, Leadership, PostgresBackend
+from llmgw_control.inventory import Node, NodeState, ShardReport
+from llmgw_control.placement import GpuSlot
+from llmgw_control.reconciler import Replica, ShardPlan
+from llmgw_control.store.base import SCHEMA_VERSION, Change, NotLeader, StoreError
+from llmgw_control.store.etcd import EtcdStore
+from llmgw_control.store.persist import (
+    Clock,
+    decode_state,
+    encode_node,
+    encode_replica,
+)
+from llmgw_control.store.postgres import PostgresStore
+from llmgw_control.store.sqlite import SqliteStore
+from llmgw_proto import v1
+from llmgw_testkit import free_port, wait_for_async
+from llmgw_testkit.servers import Etcd, Postgres
+
+# --- servers, once per module ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    server = Etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
+    server = Postgres(tmp_path_factory.mktemp("postgres"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+_prefixes = iter(range(10**6))
+
+
+def etcd_settings(etcd: Etcd, **extra: Any) -> EtcdSettings:
+    return EtcdSettings(endpoints=[etcd.endpoint], prefix=f"/t{next(_prefixes)}", **extra)
+
+
+# --- records ------------------------------------------------------------------------
+
+CHANGES = [
+    Change("node", "gpu-a", b'{"a":1}'),
+    Change("replica", "r1", b'{"r":1}'),
+    Change("rollout", "m/p", b"anything"),
+    Change("replica", "r2", b"x"),
+    Change("replica", "r2", None),
+]
+EXPECTED = {
+    "node": {"gpu-a": b'{"a":1}'},
+    "replica": {"r1": b'{"r":1}'},
+    "rollout": {"m/p": b"anything"},
+}
+
+
+async def roundtrip(make: Any) -> None:
+    store = make()
+    await store.open()
+    await store.write(CHANGES)
+    await store.close()
+    again = make()
+    await again.open()
+    assert await again.load() == EXPECTED
+    await again.write([Change("node", "gpu-a", None)])
+    assert "node" not in await again.load()
+    await again.close()
+
+
+async def test_sqlite_keeps_records_across_opens(tmp_path: Path) -> None:
+    await roundtrip(lambda: SqliteStore(tmp_path / "state"))
+    assert (tmp_path / "state" / "control.db").exists()
+
+
+async def test_etcd_keeps_records_across_opens(etcd: Etcd) -> None:
+    s = etcd_settings(etcd)
+    await roundtrip(lambda: EtcdStore(s))
+
+
+async def test_postgres_keeps_records_across_opens(postgres: Postgres) -> None:
+    await roundtrip(lambda: PostgresStore(PostgresSettings(dsn=postgres.dsn)))
+    # Leave the tables empty for the other tests of this module.
+    store = PostgresStore(PostgresSettings(dsn=postgres.dsn))
+    await store.open()
+    await store.conn.execute("DELETE FROM llmgw_records")
+    await store.close()
+
+
+async def test_etcd_writes_larger_than_one_transaction(etcd: Etcd) -> None:
+    store = EtcdStore(etcd_settings(etcd))
+    await store.open()
+    await store.write([Change("node", f"n{i}", b"v") for i in range(450)])
+    assert len((await store.load())["node"]) == 450
+    await store.close()
+
+
+# --- stores that cannot be read -----------------------------------------------------
+
+
+async def test_a_corrupt_sqlite_file_is_refused_by_name(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "control.db").write_bytes(b"this is no database at all" * 200)
+    with pytest.raises(StoreError) as err:
+        await SqliteStore(state).open()
+    text = str(err.value)
+    assert str(state / "control.db") in text
+    assert "state.state_dir" in text
+    assert "cannot be read" in text
+
+
+async def test_a_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    with sqlite3.connect(state / "control.db") as db:
+        db.execute("CREATE TABLE other (x)")
+    with pytest.raises(StoreError, match="not an llmgw-control state file"):
+        await SqliteStore(state).open()
+
+
+async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+    await store.open()
+    await store.close()
+    with sqlite3.connect(tmp_path / "control.db") as db:
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreError, match="newer llmgw-control"):
+        await SqliteStore(tmp_path).open()
+
+
+async def test_etcd_newer_schema_is_refused(etcd: Etcd) -> None:
+    s = etcd_settings(etcd)
+    store = EtcdStore(s)
+    await store.open()
+    await store.client.put(store.key("schema"), str(SCHEMA_VERSION + 1).encode())
+    await store.close()
+    with pytest.raises(StoreError, match=r"schema version 2, written by a newer"):
+        await EtcdStore(s).open()
+
+
+async def test_etcd_unreachable_names_the_setting() -> None:
+    port = free_port()
+    store = EtcdStore(EtcdSettings(endpoints=[f"127.0.0.1:{port}"], timeout=1.0))  # type: ignore[arg-type]
+    with pytest.raises(StoreError) as err:
+        await store.open()
+    assert "state.etcd.endpoints" in str(err.value)
+    assert f"127.0.0.1:{port}" in str(err.value)
+    assert "cannot be reached" in str(err.value)
+
+
+async def test_postgres_wrong_password_names_the_setting(postgres: Postgres) -> None:
+    store = PostgresStore(PostgresSettings(dsn=postgres.dsn_with("wrong")))
+    with pytest.raises(StoreError) as err:
+        await store.open()
+    text = str(err.value)
+    assert "refused the password" in text
+    assert "state.postgres.dsn" in text
+    assert "wrong" not in text, "the password is not shown"
+
+
+def a_record(records: dict[str, dict[str, bytes]], kind: str) -> bytes:
+    return next(iter(records[kind].values()))
+
+
+def test_a_damaged_record_is_an_error_not_a_fresh_start() -> None:
+    with pytest.raises(StoreError, match="a record cannot be read"):
+        decode_state({"replica": {"r": b"{not json"}}, Clock.now(), "sqlite store x")
+
+
+# --- what the control plane writes comes back ---------------------------------------
+
+names = st.text("abcdefgh-.0123", min_size=1, max_size=12)
+shard_plans = st.builds(
+    ShardPlan,
+    names,
+    names,
+    st.integers(0, 7),
+    st.lists(st.integers(0, 7), max_size=8).map(tuple),
+    st.integers(1, 65535),
+    st.sampled_from(["127.0.0.1", "10.0.0.5", "::1"]),
+)
+replicas = st.builds(
+    Replica,
+    names,
+    names,
+    names,
+    size=st.integers(1, 4),
+    shards=st.lists(shard_plans, max_size=3),
+    attempt=st.integers(0, 9),
+    failures=st.integers(0, 9),
+    adopted=st.booleans(),
+    draining=st.booleans(),
+    created_at=st.floats(0, 1e6),
+    ready_since=st.none() | st.floats(0, 1e6),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(replicas)
+def test_replicas_come_back_as_they_were(r: Replica) -> None:
+    clock = Clock(mono=1000.0, wall=1_800_000_000.0)
+    raw = encode_replica(r, clock)
+    back = decode_state({"replica": {r.replica_id: raw}}, clock, "x").replicas[r.replica_id]
+    # Session fields are per stream: a restored plan has not been sent anywhere yet.
+    assert encode_replica(back, clock) == raw
+    assert [p.start_session for p in back.shards] == [""] * len(r.shards)
+
+
+def test_a_restored_node_is_unreachable_as_if_just_dropped() -> None:
+    node = Node(
+        "gpu-a",
+        "sess",
+        labels={"fabric.nvlink-domain": "d1"},
+        gpus=(GpuSlot(0, "H200", 141 * 2**30),),
+        interfaces={"lo": ["127.0.0.1/8"]},
+        peer_host="127.0.0.1",
+        last_seen=10.0,
+    )
+    node.shards["s1"] = ShardReport(
+        "s1", "r1", v1.ShardState.READY, port=21000, gpu_indices=(0,), pid=7
+    )
+    node.shards["s2"] = ShardReport("s2", "r2", v1.ShardState.STOPPED)
+    then = Clock(mono=10.0, wall=1_800_000_000.0)
+    raw = encode_node(node, then)
+    # Restored an hour later, the node counts as seen now: LOST only after lost_after.
+    later = Clock(mono=5000.0, wall=1_800_003_600.0)
+    back = decode_state({"node": {"gpu-a": raw}}, later, "x").nodes["gpu-a"]
+    assert back.state == NodeState.UNREACHABLE
+    assert not back.connected
+    assert back.last_seen == 5000.0
+    assert back.labels == node.labels
+    assert back.gpus == node.gpus
+    assert list(back.shards) == ["s1"], "only running shards hold GPUs and ports"
+    assert back.shards["s1"].port == 21000
+    assert back.shards["s1"].pid == 7
+
+
+# --- leadership and fencing ---------------------------------------------------------
+
+
+def ha(ttl: float = 2.0) -> HaSettings:
+    return HaSettings(backend="etcd", lease_ttl=ttl)  # type: ignore[arg-type]
+
+
+class Watcher:
+    def __init__(self) -> None:
+        self.elected: list[int] = []
+        self.lost: list[str] = []
+
+    async def on_elected(self, epoch: int) -> None:
+        self.elected.append(epoch)
+
+    def on_lost(self, why: str) -> None:
+        self.lost.append(why)
+
+
+async def leaders(make_backend: Any, ttl: float = 2.0) -> None:
+    """Two instances: one leads; when it is cut off, it steps down and the other leads."""
+    a_store, a_backend = await make_backend("a")
+    b_store, b_backend = await make_backend("b")
+    wa, wb = Watcher(), Watcher()
+    a = Leadership(a_backend, ha(ttl), "a", "127.0.0.1:1", wa.on_elected, wa.on_lost, poll=0.1)
+    task_a = asyncio.create_task(a.run())
+    await wait_for_async(_async(lambda: a.leading), timeout=20, what="a leads")
+    b = Leadership(b_backend, ha(ttl), "b", "127.0.0.1:2", wb.on_elected, wb.on_lost, poll=0.1)
+    task_b = asyncio.create_task(b.run())
+    try:
+        await wait_for_async(
+            _async(lambda: b.leader_address == "127.0.0.1:1"), timeout=20, what="b knows a leads"
+        )
+        assert not b.leading
+        await a_store.write([Change("node", "n", b"from a")])
+        # a loses its hold on the store (its lease or session ends under it).
+        await cut(a_store)
+        await wait_for_async(_async(lambda: wa.lost), timeout=20, what="a steps down")
+        assert not a.leading
+        await wait_for_async(_async(lambda: b.leading), timeout=30, what="b leads")
+        assert wb.elected[0] > wa.elected[0], "a new leader has a newer epoch"
+        with pytest.raises(NotLeader):
+            await a_store.write([Change("node", "n", b"from deposed a")])
+        await b_store.write([Change("node", "n", b"from b")])
+        assert (await b_store.load())["node"]["n"] == b"from b"
+    finally:
+        for t in (task_a, task_b):
+            t.cancel()
+        await asyncio.gather(task_a, task_b, return_exceptions=True)
+        await a_store.close()
+        await b_store.close()
+
+
+def _async(fn: Any) -> Any:
+    async def probe() -> Any:
+        return fn()
+
+    return probe
+
+
+async def cut(store: Any) -> None:
+    if isinstance(store, EtcdStore):
+        # The lease goes, and the leader key with it.
+        await store.client.revoke_lease(store.fence and _lease_of(store))
+    else:
+        other = await store.connect()
+        await other.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+            " AND pid <> pg_backend_pid()"
+        )
+        await other.close()
+
+
+def _lease_of(store: EtcdStore) -> int:
+    import json
+
+    assert store.fence is not None
+    return int(json.loads(store.fence[1])["lease"])
+
+
+async def test_etcd_one_leader_fenced_writes_and_takeover(etcd: Etcd) -> None:
+    s = etcd_settings(etcd)
+
+    async def make(name: str) -> Any:
+        store = EtcdStore(s)
+        await store.open()
+        return store, EtcdBackend(store, name, {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}[name], 2)
+
+    await leaders(make)
+
+
+async def test_postgres_one_leader_fenced_writes_and_takeover(postgres: Postgres) -> None:
+    async def make(name: str) -> Any:
+        store = PostgresStore(PostgresSettings(dsn=postgres.dsn))
+        await store.open()
+        return store, PostgresBackend(store, name, {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}[name])
+
+    await leaders(make)
+
+
+# --- `llmgw-control serve` refuses what it cannot read --------------------------------
+
+
+def serve(tmp_path: Path, state: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "control.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "listen": f"127.0.0.1:{free_port()}",
+                "admin_listen": f"127.0.0.1:{free_port()}",
+                "tls": {"insecure": True},
+                "state": state,
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw_control", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_serve_stops_on_a_corrupt_sqlite_file(tmp_path: Path) -> None:
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "control.db").write_bytes(b"\x00garbage" * 1000)
+    done = serve(tmp_path, {"state_dir": "st"})
+    assert done.returncode == 2, done.stderr
+    assert "control.db" in done.stderr
+    assert "state.state_dir" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "st" / "control.db").read_bytes() == b"\x00garbage" * 1000, "left as found"
+
+
+def test_serve_stops_when_etcd_is_unreachable(tmp_path: Path) -> None:
+    port = free_port()
+    done = serve(
+        tmp_path, {"backend": "etcd", "etcd": {"endpoints": [f"127.0.0.1:{port}"], "timeout": "1s"}}
+    )
+    assert done.returncode == 2, done.stderr
+    assert "state.etcd.endpoints" in done.stderr
+    assert "cannot be reached" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_stops_on_a_wrong_postgres_password(tmp_path: Path, postgres: Postgres) -> None:
+    done = serve(tmp_path, {"backend": "postgres", "postgres": {"dsn": postgres.dsn_with("nope")}})
+    assert done.returncode == 2, done.stderr
+    assert "state.postgres.dsn" in done.stderr
+    assert "refused the password" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_ha_needs_its_backend_as_the_state_backend(tmp_path: Path) -> None:
+    config = tmp_path / "control.yaml"
+    config.write_text(yaml.safe_dump({"tls": {"insecure": True}, "ha": {"backend": "etcd"}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw_control", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "$.ha.backend" in done.stderr
+    assert "state.backend: etcd" in done.stderr

@@ -1,0 +1,259 @@
+"""High availability (issue 14): two control planes on one etcd or PostgreSQL.
+
+1. SIGKILL the leader under load: the standby leads, agents and the router move to
+   it (they hold both addresses and follow the ``llmgw-leader`` answer), no request
+   fails and no engine restarts.
+2. Cut the leader off from its store (a TCP proxy in between is shut) but not from
+   its agents: it stops dispatching within its lease, ends its streams, and the
+   other instance takes over; nothing restarts, no request fails.
+
+The control plane's side of fencing (epochs on RegisterAck and commands, a leader
+that lost its lease sends nothing) is checked here; that an agent refuses a command
+from an older epoch is the agent's own test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llmgw_testkit import Proc, free_port, wait_for
+from llmgw_testkit.cluster import Cluster, bin_path, metric_sum
+from llmgw_testkit.servers import Etcd, Postgres
+from test_state_restart import MODELS, EndpointWatch, both_ready, router_endpoints, traffic
+
+LEASE = "3s"
+
+
+class Proxy:
+    """A TCP forwarder on loopback that can be cut: every connection closed, none taken."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def start() -> None:
+            self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+            ready.set()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_w}
+
+        async def copy(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            w.close()
+
+        await asyncio.gather(copy(reader, up_w), copy(up_r, writer))
+
+    def cut(self) -> None:
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            for w in list(self._writers):
+                w.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.cut()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Instance:
+    def __init__(self, cluster: Cluster, name: str, state: dict[str, Any]) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.state = state
+        self.proc: Proc | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self) -> Proc:
+        config = self.cluster.control_config(MODELS)
+        config["listen"] = self.address
+        config["admin_listen"] = f"127.0.0.1:{self.admin_port}"
+        config["state"] = self.state
+        config["ha"] = {
+            "backend": self.state["backend"],
+            "instance_id": self.name,
+            "advertise": self.address,
+            "lease_ttl": LEASE,
+        }
+        path = self.cluster.write(f"control-{self.name}.yaml", config)
+        argv = [bin_path("llmgw-control"), "serve", "--config", str(path), "--log-format", "json"]
+        self.proc = self.cluster._start(f"control-{self.name}", argv)
+        wait_for(lambda: self.metrics() is not None, timeout=60, what=f"{self.name} admin up")
+        return self.proc
+
+    def metrics(self) -> str | None:
+        if self.proc is not None and not self.proc.alive():
+            raise AssertionError(f"control {self.name} exited:\n{self.proc.tail()}")
+        try:
+            url = f"http://127.0.0.1:{self.admin_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return str(resp.read().decode())
+        except OSError:
+            return None
+
+    def value(self, name: str) -> float:
+        text = self.metrics()
+        assert text is not None
+        return metric_sum(text, name)
+
+    def leads(self) -> bool:
+        return self.value("llmgw_control_leader") == 1
+
+    def view(self) -> None:
+        """Point the cluster's status helpers at this instance."""
+        self.cluster.admin_port = self.admin_port
+        self.cluster.control = self.proc
+
+
+@pytest.fixture(params=["etcd", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    server: Etcd | Postgres = (
+        Etcd(tmp_path / "etcd") if request.param == "etcd" else Postgres(tmp_path / "pg")
+    )
+    try:
+        yield request.param, server
+    finally:
+        server.stop()
+
+
+def state_for(kind: str, server: Any, port: int | None = None) -> dict[str, Any]:
+    if kind == "etcd":
+        endpoint = f"127.0.0.1:{port}" if port else server.endpoint
+        return {"backend": "etcd", "etcd": {"endpoints": [endpoint], "timeout": "2s"}}
+    dsn = server.dsn if port is None else server.dsn.replace(f":{server.port}/", f":{port}/")
+    return {"backend": "postgres", "postgres": {"dsn": dsn, "timeout": "2s"}}
+
+
+def pair(
+    cluster: Cluster, a_state: dict[str, Any], b_state: dict[str, Any]
+) -> tuple[Instance, Instance]:
+    cluster.timings.update(unreachable_after="2s", lost_after="60s", startup_grace="1s")
+    a = Instance(cluster, "a", a_state)
+    b = Instance(cluster, "b", b_state)
+    cluster.control_addresses = [a.address, b.address]
+    a.start()
+    wait_for(a.leads, timeout=30, what="a leads")
+    b.start()
+    wait_for(lambda: b.metrics() is not None and not b.leads(), timeout=30, what="b stands by")
+    a.view()
+    cluster.start_agent("gpu-a", gpus=1)
+    cluster.start_agent("gpu-b", gpus=1)
+    cluster.start_router()
+    cluster.wait_replicas("chat", 2)
+    cluster.wait_router_models("chat")
+    wait_for(lambda: router_endpoints(cluster) == 2, timeout=30, what="router has 2 endpoints")
+    return a, b
+
+
+def takeover(
+    cluster: Cluster, b: Instance, results: list[str], before: dict[str, list[int]]
+) -> float:
+    began = time.monotonic()
+    wait_for(b.leads, timeout=60, what="b leads")
+    took = time.monotonic() - began
+    b.view()
+    wait_for(
+        lambda: (
+            {n["state"] for n in cluster.status()["nodes"]} == {"READY"}
+            and len(cluster.status()["nodes"]) == 2
+        ),
+        timeout=90,
+        what="both nodes READY under b",
+    )
+    after = wait_for(lambda: both_ready(cluster), timeout=60, what="both replicas ready under b")
+    assert after == before, "no engine restarted"
+    assert b.value("llmgw_control_epoch") > 0
+    more = len(results)
+    wait_for(lambda: len(results) >= more + 10, timeout=30, what="traffic under b")
+    assert b.value("llmgw_control_commands_total") == 0, "b sent no command"
+    return took
+
+
+def test_sigkill_the_leader_under_load(cluster: Cluster, backend: tuple[str, Any]) -> None:
+    kind, server = backend
+    a, b = pair(cluster, state_for(kind, server), state_for(kind, server))
+    before = both_ready(cluster)
+    assert before is not None
+    epoch_a = a.value("llmgw_control_epoch")
+    results: list[str] = []
+    with traffic(cluster, results), EndpointWatch(cluster) as watch:
+        wait_for(lambda: len(results) >= 10, timeout=30, what="traffic flowing")
+        assert a.proc is not None
+        a.proc.signal(signal.SIGKILL)
+        took = takeover(cluster, b, results, before)
+    print(f"{kind}: b led {took:.1f}s after a was killed (lease {LEASE})")
+    assert b.value("llmgw_control_epoch") > epoch_a, "the new leader has a newer epoch"
+    assert watch.samples
+    assert min(watch.samples) == 2, "the router kept both endpoints"
+    failures = [r for r in results if r != "ok"]
+    assert failures == [], failures[:5]
+
+
+def test_leader_cut_off_from_its_store_stops_dispatching(
+    cluster: Cluster, backend: tuple[str, Any]
+) -> None:
+    kind, server = backend
+    proxy = Proxy(server.port)
+    try:
+        a, b = pair(cluster, state_for(kind, server, proxy.port), state_for(kind, server))
+        before = both_ready(cluster)
+        assert before is not None
+        results: list[str] = []
+        with traffic(cluster, results), EndpointWatch(cluster) as watch:
+            wait_for(lambda: len(results) >= 10, timeout=30, what="traffic flowing")
+            sent_before = a.value("llmgw_control_commands_total")
+            proxy.cut()
+            # Within its lease, a knows it may not lead and stops: nothing more goes out.
+            wait_for(lambda: not a.leads(), timeout=30, what="a steps down")
+            took = takeover(cluster, b, results, before)
+            assert a.proc is not None
+            assert a.proc.alive(), "a stays up, standing by"
+            assert "lost the lead; dispatching stopped" in a.proc.output()
+            assert a.value("llmgw_control_commands_total") == sent_before
+            assert a.value("llmgw_control_agent_streams") == 0, "a holds no agent stream"
+        print(f"{kind}: b led {took:.1f}s after a was cut off (lease {LEASE})")
+        assert watch.samples
+        assert min(watch.samples) == 2, "the router kept both endpoints"
+        failures = [r for r in results if r != "ok"]
+        assert failures == [], failures[:5]
+    finally:
+        proxy.stop()

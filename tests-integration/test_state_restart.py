@@ -1,0 +1,202 @@
+"""The control plane remembers (issue 14): restarts read the state store back.
+
+1. A restart while every agent is frozen (SIGSTOP) until well after startup_grace:
+   the new control plane publishes the remembered endpoints from its first snapshot,
+   the router's endpoint count never drops, no command goes out, no request fails,
+   and once the agents thaw every engine is the one that ran before.
+2. A long outage under load (60 s here, standing in for the issue's 10 minutes: it
+   only has to be far longer than startup_grace and than the agents' reconnect
+   backoff): no request fails, every node is READY again, nothing restarted.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import openai
+from llmgw_testkit import wait_for
+from llmgw_testkit.cluster import Cluster, metric_sum, vllm_profile
+
+MODELS = [{"name": "chat", "profiles": {"default": vllm_profile(gpus=1, replicas=2)}}]
+
+
+@contextmanager
+def traffic(cluster: Cluster, results: list[str], workers: int = 2) -> Iterator[None]:
+    client = openai.OpenAI(
+        base_url=f"{cluster.router_url}/v1", api_key="x", max_retries=0, timeout=30
+    )
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                reply = client.chat.completions.create(
+                    model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+                ok = reply.usage is not None and reply.usage.completion_tokens == 4
+                results.append("ok" if ok else "bad")
+            except Exception as err:
+                results.append(f"error: {err!r}")
+
+    threads = [threading.Thread(target=loop) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
+def router_endpoints(cluster: Cluster) -> float:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{cluster.router_admin_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return metric_sum(resp.read().decode(), "llmgw_router_endpoints")
+
+
+class EndpointWatch:
+    """Samples the router's endpoint count in the background; keeps the lowest."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(router_endpoints(self.cluster))
+            except OSError:
+                pass
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> EndpointWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def pids(cluster: Cluster) -> dict[str, list[int]]:
+    return {
+        r["replica_id"]: [s["pid"] for s in r["shards"]]
+        for r in cluster.replicas("chat")
+        if r["state"] == "ready"
+    }
+
+
+def both_ready(cluster: Cluster) -> dict[str, list[int]] | None:
+    found = pids(cluster)
+    return found if len(found) == 2 else None
+
+
+def start(cluster: Cluster, **agent: Any) -> dict[str, list[int]]:
+    cluster.start_control(MODELS)
+    cluster.start_agent("gpu-a", gpus=1, **agent)
+    cluster.start_agent("gpu-b", gpus=1, **agent)
+    cluster.start_router()
+    cluster.wait_replicas("chat", 2)
+    cluster.wait_router_models("chat")
+    wait_for(lambda: router_endpoints(cluster) == 2, timeout=30, what="router has 2 endpoints")
+    return pids(cluster)
+
+
+def test_restart_with_agents_frozen_past_startup_grace_keeps_every_endpoint(
+    cluster: Cluster,
+) -> None:
+    # Long enough that frozen agents are only UNREACHABLE, never LOST, on a busy machine.
+    cluster.timings.update(unreachable_after="2s", lost_after="60s", startup_grace="1s")
+    before = start(cluster)
+    assert len(before) == 2
+    results: list[str] = []
+    with traffic(cluster, results), EndpointWatch(cluster) as watch:
+        wait_for(lambda: len(results) >= 10, timeout=30, what="traffic flowing")
+        for proc in cluster.agents.values():
+            proc.signal(signal.SIGSTOP)  # streams stay open, nothing is read or sent
+        try:
+            assert cluster.control is not None
+            cluster.control.stop()
+            cluster.start_control(MODELS)
+            started = time.monotonic()
+            # Well past startup_grace (1 s) with every agent still frozen: the new
+            # control plane runs pass after pass knowing only what its store told it.
+            status = wait_for(
+                lambda: (
+                    time.monotonic() - started > 4
+                    and cluster.status()["reconciles"] >= 10
+                    and cluster.status()
+                ),
+                timeout=60,
+                what="4 s and 10 reconcile ticks of the new control plane",
+            )
+            assert {n["state"] for n in status["nodes"]} == {"UNREACHABLE"}, status["nodes"]
+            assert sorted(r["replica_id"] for r in status["replicas"]) == sorted(before)
+            assert status["publish_version"] > 0
+            served_frozen = len(results)
+            wait_for(lambda: len(results) >= served_frozen + 10, timeout=30, what="traffic, frozen")
+        finally:
+            for proc in cluster.agents.values():
+                proc.signal(signal.SIGCONT)
+        wait_for(
+            lambda: {n["state"] for n in cluster.status()["nodes"]} == {"READY"},
+            timeout=60,
+            what="both nodes READY again",
+        )
+        after = wait_for(lambda: both_ready(cluster), timeout=30, what="both replicas ready")
+        passes = cluster.status()["full_passes"]
+        wait_for(lambda: cluster.status()["full_passes"] >= passes + 5, timeout=30, what="passes")
+        more = len(results)
+        wait_for(lambda: len(results) >= more + 10, timeout=30, what="traffic after thaw")
+    assert after == before, "every engine keeps its pid and replica"
+    assert metric_sum(cluster.metrics(), "llmgw_control_commands_total") == 0, "no command sent"
+    assert watch.samples
+    assert min(watch.samples) == 2, "the router's endpoint count never dropped"
+    failures = [r for r in results if r != "ok"]
+    assert failures == [], failures[:5]
+
+
+def test_long_outage_under_load_fails_nothing_and_restarts_nothing(cluster: Cluster) -> None:
+    # The agents' own reconnect backoff (up to 30 s, full jitter) as in production.
+    cluster.timings.update(unreachable_after="2s", lost_after="120s", startup_grace="1s")
+    before = start(cluster, max_backoff="30s")
+    results: list[str] = []
+    with traffic(cluster, results), EndpointWatch(cluster) as watch:
+        wait_for(lambda: len(results) >= 10, timeout=30, what="traffic flowing")
+        assert cluster.control is not None
+        cluster.control.stop()
+        down_at = time.monotonic()
+        # 60 s without a control plane (a shortened stand-in for 10 minutes).
+        wait_for(
+            lambda: time.monotonic() - down_at >= 60 and cluster.router is not None,
+            timeout=90,
+            interval=1.0,
+            what="60 s of outage",
+        )
+        served_down = len(results)
+        cluster.start_control(MODELS)
+        wait_for(
+            lambda: {n["state"] for n in cluster.status()["nodes"]} == {"READY"},
+            timeout=90,
+            what="both nodes READY again",
+        )
+        after = wait_for(lambda: both_ready(cluster), timeout=30, what="both replicas ready")
+        more = len(results)
+        wait_for(lambda: len(results) >= more + 10, timeout=30, what="traffic after restart")
+    assert served_down > 20, "requests were served during the outage"
+    assert after == before, "nothing restarted"
+    assert metric_sum(cluster.metrics(), "llmgw_control_commands_total") == 0, "no command sent"
+    assert watch.samples
+    assert min(watch.samples) == 2, "the router's endpoint count never dropped"
+    failures = [r for r in results if r != "ok"]
+    assert failures == [], failures[:5]
