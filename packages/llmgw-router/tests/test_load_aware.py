@@ -200,3 +200,23 @@ def test_hold_timeout_is_a_503_with_retry_after(spawn_router: Spawn, control: An
     error = r.json()["error"]
     assert error["code"] == "model_starting"
     assert "no replica became ready within 1s" in error["message"]
+
+
+def test_an_engine_restart_clears_that_engines_prefix_state(
+    spawn_router: Spawn, upstreams: list[Upstream], control: Any
+) -> None:
+    e1, e2 = upstreams
+    control.publish(1, e1, e2, generations={"e1": 1, "e2": 1})
+    router = spawn_router(config(control))
+    served = {served_by(router, prompt(t)) for t in range(8)}
+    assert served == {"e1", "e2"}
+    assert endpoint(router, "e1-replica")["prefix_blocks"] > 0
+    e2_blocks = endpoint(router, "e2-replica")["prefix_blocks"]
+    assert e2_blocks > 0
+    # e1's engine restarted (a new generation at the same URL): what was sent there is
+    # no longer in its cache; e2 keeps its prefix state.
+    control.publish(2, e1, e2, generations={"e1": 2, "e2": 1})
+    wait_for(lambda: router.endpoints()["version"] == 2, what="snapshot 2")
+    assert endpoint(router, "e1-replica")["generation"] == 2
+    assert endpoint(router, "e1-replica")["prefix_blocks"] == 0
+    assert endpoint(router, "e2-replica")["prefix_blocks"] == e2_blocks

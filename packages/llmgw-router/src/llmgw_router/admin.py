@@ -124,6 +124,7 @@ def admin_app(state: RouterState) -> Starlette:
                         "load_source": "engine" if ep.fresh_engine(now) else "router",
                         "generation": ep.generation,
                         "cached_blocks": ep.cached_blocks,
+                        "prefix_blocks": state.balancer.remembered(ep.id),
                     }
                     for ep in current.endpoints
                 ],

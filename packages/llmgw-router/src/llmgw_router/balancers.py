@@ -11,7 +11,6 @@ import hashlib
 import math
 import random
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -55,6 +54,10 @@ class Balancer(Generic[C]):
 
     def forget(self, endpoint_id: str) -> None:
         """The engine behind ``endpoint_id`` changed: drop what was learnt about it."""
+
+    def remembered(self, endpoint_id: str) -> int:
+        """How many prefix blocks this balancer remembers sending to ``endpoint_id``."""
+        return 0
 
 
 def _two_distinct(usable: Sequence[C], rng: random.Random) -> tuple[C, C]:
@@ -183,19 +186,20 @@ def _mix(x: int) -> int:
 
 
 class _PrefixIndex:
-    """Prefix blocks this router recently sent to one endpoint, least recent first."""
+    """Prefix blocks this router recently sent to one endpoint, with when (a counter)."""
 
-    __slots__ = ("blocks", "generation")
+    __slots__ = ("blocks", "generation", "tick")
 
     def __init__(self, generation: int) -> None:
         self.generation = generation
-        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.blocks: dict[int, int] = {}
+        self.tick = 0
 
     def match(self, prefix: Sequence[int]) -> int:
         """How many leading blocks of ``prefix`` were sent here.
 
-        Block hashes are chained (each covers the whole prefix up to it) and a prefix is
-        recorded deepest block first, so its shallow blocks are evicted last: presence is
+        Block hashes are chained (each covers the whole prefix up to it), and a block is
+        evicted no earlier than the deeper blocks recorded with it, so presence is
         monotone along the prefix and a binary search finds its end.
         """
         blocks = self.blocks
@@ -211,14 +215,13 @@ class _PrefixIndex:
         return lo
 
     def record(self, prefix: Sequence[int], capacity: int) -> None:
-        blocks = self.blocks
-        for block in reversed(prefix):
-            if block in blocks:
-                blocks.move_to_end(block)
-            else:
-                blocks[block] = None
-        while len(blocks) > capacity:
-            blocks.popitem(last=False)
+        self.tick += 1
+        self.blocks.update(dict.fromkeys(prefix, self.tick))
+        if len(self.blocks) > capacity:
+            # The least recently sent quarter goes at once: eviction costs O(1) a block.
+            keep = max(1, capacity * 3 // 4)
+            recent = sorted(self.blocks.items(), key=lambda kv: kv[1])[-keep:]
+            self.blocks = dict(recent)
 
 
 class CacheAware(Balancer[L]):
@@ -246,7 +249,7 @@ class CacheAware(Balancer[L]):
         self,
         *,
         epsilon: float = 0.25,
-        affinity_blocks: int = 16,
+        affinity_blocks: int = 8,
         index_blocks: int = 16384,
         rng: random.Random | None = None,
     ) -> None:
@@ -261,6 +264,10 @@ class CacheAware(Balancer[L]):
 
     def forget(self, endpoint_id: str) -> None:
         self._indexes.pop(endpoint_id, None)
+
+    def remembered(self, endpoint_id: str) -> int:
+        index = self._indexes.get(endpoint_id)
+        return len(index.blocks) if index is not None else 0
 
     def _index(self, c: L) -> _PrefixIndex | None:
         index = self._indexes.get(c.id)
@@ -285,36 +292,48 @@ class CacheAware(Balancer[L]):
             index = self._indexes[c.id] = _PrefixIndex(c.generation)
         index.record(prefix, self.index_blocks)
 
-    def _score(self, key: int, c: L) -> float:
-        ident = self._id_hashes.get(c.id)
+    def _ident(self, endpoint_id: str) -> int:
+        ident = self._id_hashes.get(endpoint_id)
         if ident is None:
-            raw = c.id.encode()
-            ident = self._id_hashes[c.id] = zlib.crc32(raw) | (zlib.adler32(raw) << 32)
-        unit = (_mix(key ^ ident) + 1) / (2**64 + 2)
-        return max(1, c.weight) / -math.log(unit)
+            raw = endpoint_id.encode()
+            ident = self._id_hashes[endpoint_id] = zlib.crc32(raw) | (zlib.adler32(raw) << 32)
+        return ident
 
     # -------------------------------------------------------------- the pick
 
-    def bound(self, ready: Sequence[L]) -> Callable[[L], bool]:
-        """Whether a candidate may take one more request under the load bound."""
-        total = sum(c.load for c in ready)
-        weight = sum(max(1, c.weight) for c in ready)
-        per_weight = (1.0 + self.epsilon) * (total + 1.0) / weight
-
-        def allowed(c: L) -> bool:
-            return c.load + 1.0 <= math.ceil(per_weight * max(1, c.weight))
-
-        return allowed
-
     def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
         """``ready`` in affinity order for ``prefix``: the same on every router."""
+        return [ready[i] for i in self._ranked(ready, prefix)]
+
+    def _ranked(self, ready: Sequence[L], prefix: Sequence[int]) -> list[int]:
         depth = min(len(prefix), self.affinity_blocks)
         key = prefix[depth - 1]
-        ranked = []
-        for c in ready:
-            match = self.matched(c, prefix)
-            ranked.append((match if match > depth else 0, self._score(key, c), c.id, c))
-        ranked.sort(key=lambda r: (-r[0], -r[1], r[2]))
+        weights = [c.weight for c in ready]
+        uniform = all(w == weights[0] for w in weights)
+        ranked: list[tuple[int, float, str, int]] = []
+        indexes = self._indexes
+        for i, c in enumerate(ready):
+            match = 0
+            index = indexes.get(c.id)
+            if index is not None:
+                if index.generation != c.generation:
+                    del indexes[c.id]
+                else:
+                    match = index.match(prefix)
+                    if match <= depth:
+                        # Within what the rendezvous block covers: hashing decides.
+                        match = 0
+            # splitmix64 of the block and the endpoint, inlined (see _mix).
+            x = ((key ^ self._ident(c.id)) + 0x9E3779B97F4A7C15) & _MASK
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+            mixed = x ^ (x >> 31)
+            # Weighted rendezvous: weight / -ln(u); at equal weights the order of u is enough.
+            score = (
+                float(mixed) if uniform else max(1, c.weight) / -math.log((mixed + 1) / (2**64 + 2))
+            )
+            ranked.append((match, score, c.id, i))
+        ranked.sort(reverse=True)
         return [r[3] for r in ranked]
 
     def pick(
@@ -327,19 +346,29 @@ class CacheAware(Balancer[L]):
         ready = [c for c in candidates if usable(c)]
         if not ready:
             return None
-        chosen: L | None = None
         if len(ready) == 1:
             chosen = ready[0]
-        elif prefix:
-            allowed = self.bound(ready)
-            order = self.ranking(ready, prefix)
-            chosen = next((c for c in order if allowed(c)), None)
-            if chosen is None:
-                # Ties go to the earlier in the ranking: still the same on every router.
-                chosen = min(order, key=lambda c: c.load / max(1, c.weight))
         else:
-            least = min(c.load / max(1, c.weight) for c in ready)
-            chosen = self.rng.choice([c for c in ready if c.load / max(1, c.weight) == least])
+            loads = [c.load for c in ready]
+            weights = [max(1, c.weight) for c in ready]
+            per_load = [load / w for load, w in zip(loads, weights, strict=True)]
+            if prefix:
+                # Bounded load: with this request, within ceil((1 + eps) x the mean share).
+                per_weight = (1.0 + self.epsilon) * (sum(loads) + 1.0) / sum(weights)
+                order = self._ranked(ready, prefix)
+                best = next(
+                    (i for i in order if loads[i] + 1.0 <= math.ceil(per_weight * weights[i])),
+                    None,
+                )
+                if best is None:
+                    # Ties go to the earlier in the ranking: still the same on every router.
+                    best = min(order, key=per_load.__getitem__)
+                chosen = ready[best]
+            else:
+                least = min(per_load)
+                chosen = self.rng.choice(
+                    [c for c, load in zip(ready, per_load, strict=True) if load == least]
+                )
         self._record(chosen, prefix)
         return chosen
 

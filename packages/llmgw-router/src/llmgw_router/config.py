@@ -110,12 +110,12 @@ class CacheAwareConfig(BaseConfig):
 
     # The prompt (chat messages in order, or the completion prompt) is cut into blocks
     # of this many bytes of the request's JSON; a block is the unit of prefix matching.
-    block_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 128
+    block_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
     # Rendezvous hashing places a request by its first this-many blocks, so routers
     # agree on a prefix's endpoint without talking.
-    affinity_blocks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    affinity_blocks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8
     # Only this many blocks of a prompt are hashed (longer prompts share their start).
-    max_blocks: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    max_blocks: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
     # Bounded load: affinity never sends to an endpoint whose load would exceed
     # ceil((1 + epsilon) x the model's mean); the next choice takes it instead.
     epsilon: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.25

@@ -28,11 +28,14 @@ def prefix_blocks(raw: bytes, block_bytes: int, max_blocks: int) -> tuple[int, .
     full = min(len(raw) // block_bytes, max_blocks)
     if full == 0:
         return ((zlib.crc32(raw) << 20) | 0,)
+    crc32 = zlib.crc32
     crc = 0
-    out = []
-    view = memoryview(raw)
+    out = [0] * full
+    at = 0
     for i in range(full):
-        crc = zlib.crc32(view[i * block_bytes : (i + 1) * block_bytes], crc)
+        end = at + block_bytes
+        crc = crc32(raw[at:end], crc)
         # The index keeps a block from colliding with a shorter prompt of the same CRC.
-        out.append((crc << 20) | (i & 0xFFFFF))
+        out[i] = (crc << 20) | i
+        at = end
     return tuple(out)

@@ -194,13 +194,16 @@ class EndpointWatcher:
         for model in snapshot.models:
             for name in model.served_model_names or [model.name]:
                 declared[name] = declared.get(name, False) or model.scale_to_zero
+        # Read before successor(): it updates a kept endpoint's spec in place.
+        before = {ep.id: ep.generation for ep in current.endpoints}
         new = current.successor(
             [*self.static, *specs], version=snapshot.version, source="control", declared=declared
         )
-        kept = {ep.id for ep in new.endpoints}
-        for ep in current.endpoints:
-            if ep.id not in kept:
-                self.state.balancer.forget(ep.id)
+        kept = {ep.id: ep.generation for ep in new.endpoints}
+        for ident, generation in before.items():
+            if kept.get(ident, -1) != generation:
+                # Gone, or another engine process behind it: its cache is not ours to know.
+                self.state.balancer.forget(ident)
         self.state.swap(new)
         log.info("endpoint snapshot applied", version=snapshot.version, endpoints=len(specs))
         return True
