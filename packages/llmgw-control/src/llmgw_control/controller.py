@@ -21,9 +21,11 @@ from llmgw_proto import v1
 
 from llmgw_control import status as status_view
 from llmgw_control.agent_service import AgentService, Session
+from llmgw_control.autoscaler import Autoscaler
 from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, NodeState
+from llmgw_control.loads import Figures
 from llmgw_control.metrics import Metrics
 from llmgw_control.publish import (
     DeclaredInfo,
@@ -129,6 +131,10 @@ class Controller:
         self.ticks = 0
         # model -> when a router last said it holds requests for it (ReportDemand).
         self.demand: dict[str, float] = {}
+        # Replica counts the autoscaler wants, and the rollouts the last pass saw.
+        self.autoscaler = Autoscaler()
+        self._wanted: dict[tuple[str, str], int] = {}
+        self.rollouts: dict[tuple[str, str], dict[str, Any]] = {}
         self.agents.load_interval = float(self.config.control.load_interval)
         # replica id -> why routers may not reach its published URL (logged once each).
         self.address_problems: dict[str, str] = {}
@@ -252,6 +258,19 @@ class Controller:
             # Agents have had their grace to report what runs: publish from now on.
             self.publisher.update(self.endpoints(), self.declared())
             self.publisher.primed.set()
+        fresh = 3 * max(float(c.load_interval), float(c.heartbeat_interval))
+        # After the startup grace only: what runs is known (adopted) before it is counted.
+        grace_over = now >= self.state.started_at + c.startup_grace
+        wanted = (
+            self.autoscaler.wanted(
+                self.catalog, self.state.replicas, self._figures, self.demand, now, fresh
+            )
+            if grace_over
+            else self._wanted
+        )
+        if wanted != self._wanted:
+            self._wanted = wanted
+            self._dirty = True
         # Same input, no deadline due: the pass would send nothing. On a large fleet
         # a pass costs enough to delay heartbeats, so it is not run for nothing.
         if not (force or self._dirty or now >= self._next_at or now >= self._resync_at):
@@ -259,8 +278,16 @@ class Controller:
         self._dirty = False
         if now >= self._resync_at:
             self._resync_at = now + RESYNC
-        decision = reconcile(self.catalog, self.inventory.nodes, self.state, now, self.settings)
+        decision = reconcile(
+            self.catalog,
+            self.inventory.nodes,
+            self.state,
+            now,
+            self.settings,
+            wanted=self._wanted,
+        )
         self.state = decision.state
+        self.rollouts = decision.rollouts
         self._next_at = decision.next_at
         for command in decision.commands:
             self._dispatch(command)
@@ -406,6 +433,11 @@ class Controller:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def _figures(self, endpoint_id: str) -> tuple[Figures, float] | None:
+        loads = self.publisher.loads
+        f = loads.figures(endpoint_id)
+        return None if f is None else (f, loads.age(f, time.monotonic()))
+
     def fleet(self) -> status_view.Fleet:
         """What status shows, as of now."""
         return status_view.Fleet(
@@ -421,6 +453,8 @@ class Controller:
             published={e.replica_id: e for e in self.publisher.endpoints},
             address_problems=self.address_problems,
             loads=self.publisher.loads.as_json(time.monotonic()),
+            rollouts=self.rollouts,
+            scaling=self.autoscaler.reasons,
         )
 
     def status(self) -> dict[str, Any]:

@@ -15,13 +15,14 @@ import secrets
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from llmgw_proto import v1
 from llmgw_proto.backoff import exponential
 
 from llmgw_control.catalog import Catalog, ProfileSpec
 from llmgw_control.inventory import Node, NodeState, ShardReport
+from llmgw_control.lifecycle import ReplicaView, rollout_step
 from llmgw_control.placement import (
     Demand,
     NodeView,
@@ -99,6 +100,12 @@ class Replica:
     ready_since: float | None = None
     draining: bool = False
     drain_deadline: float = 0.0
+    # The profile revision it was started with; "" = unknown (adopted): taken as current.
+    revision: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.model, self.profile)
 
     @property
     def placed(self) -> bool:
@@ -162,6 +169,8 @@ class Decision:
     # The earliest time at which a pass could decide differently with no new input
     # (a backoff ends, a drain deadline passes, ...); inf when nothing is pending.
     next_at: float = float("inf")
+    # (model, profile) -> the rollout in progress: state, reason, progress counts.
+    rollouts: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
 def new_replica_id(model: str, profile: str) -> str:
@@ -175,9 +184,13 @@ def reconcile(
     now: float,
     settings: Settings,
     new_id: Callable[[str, str], str] = new_replica_id,
+    wanted: Mapping[tuple[str, str], int] | None = None,
 ) -> Decision:
-    """One pass: desired vs actual, as new records and the commands to send."""
-    return _Pass(catalog, nodes, _clone(state), now, settings, new_id).run()
+    """One pass: desired vs actual, as new records and the commands to send.
+
+    ``wanted`` overrides a profile's replica count (the autoscaler's decision).
+    """
+    return _Pass(catalog, nodes, _clone(state), now, settings, new_id, wanted or {}).run()
 
 
 def _clone(state: ControlState) -> ControlState:
@@ -253,7 +266,10 @@ class _Pass:
         now: float,
         settings: Settings,
         new_id: Callable[[str, str], str],
+        wanted: Mapping[tuple[str, str], int],
     ) -> None:
+        self.wanted = wanted
+        self.rollouts: dict[tuple[str, str], dict[str, Any]] = {}
         self.catalog = catalog
         self.nodes = nodes
         self.state = state
@@ -271,7 +287,7 @@ class _Pass:
         self._place()
         self._stop_orphans()
         self._forget_old()
-        return Decision(self.state, self.commands, self._next_at())
+        return Decision(self.state, self.commands, self._next_at(), self.rollouts)
 
     def _next_at(self) -> float:
         """Every clock comparison a pass makes, as the moment it would flip."""
@@ -432,30 +448,78 @@ class _Pass:
         for r in self.state.replicas.values():
             if not r.draining:
                 by_profile.setdefault((r.model, r.profile), []).append(r)
-        for key, live in by_profile.items():
+        placing = self.now >= self.state.started_at + self.s.startup_grace
+        for key in sorted(set(by_profile) | {p.key for p in self.catalog.profiles}):
             profile = self.catalog.get(*key)
-            wanted = profile.replicas if profile is not None else 0
-            if len(live) <= wanted:
+            live = by_profile.get(key, [])
+            if profile is None:
+                self._trim(live, 0, "draining: its profile left the catalog")
                 continue
-            # Give up the least useful first: unplaced, then not ready, then the newest.
-            live.sort(key=self._keep_order)
-            for r in live[wanted:]:
-                if not r.placed:
-                    del self.state.replicas[r.replica_id]
-                    continue
-                r.draining = True
-                r.drain_deadline = self.now + self.s.drain_timeout
-                r.explanation = "draining: more replicas than the catalog wants"
-                self._drain(r, [self._report(p) for p in r.shards])
-        if self.now < self.state.started_at + self.s.startup_grace:
-            return
-        for profile in self.catalog.profiles:
-            have = len(by_profile.get(profile.key, []))
-            for _ in range(profile.replicas - have):
+            wanted = self.wanted.get(key, profile.replicas)
+            rev = profile.revision
+            old = [r for r in live if r.revision and r.revision != rev]
+            new = [r for r in live if not (r.revision and r.revision != rev)]
+            self._trim(new, wanted, "draining: more replicas than wanted")
+            new = [r for r in new if r.replica_id in self.state.replicas]
+            count = wanted - len(new)
+            if old:
+                step = rollout_step(
+                    wanted,
+                    [self._view(r) for r in new],
+                    [self._view(r) for r in old],
+                    profile.max_surge,
+                    profile.max_unavailable,
+                )
+                count = step.start
+                by_id = {r.replica_id: r for r in old}
+                for rid in step.drain:
+                    self._retire(by_id[rid], f"draining: replaced by revision {rev}")
+                self.rollouts[key] = {
+                    "revision": rev,
+                    "state": step.state,
+                    "reason": step.reason,
+                    **step.progress,
+                }
+            if not placing:
+                continue
+            for _ in range(count):
                 rid = self.new_id(profile.model, profile.name)
                 self.state.replicas[rid] = Replica(
-                    rid, profile.model, profile.name, size=profile.nodes, created_at=self.now
+                    rid,
+                    profile.model,
+                    profile.name,
+                    size=profile.nodes,
+                    created_at=self.now,
+                    revision=rev,
                 )
+
+    def _trim(self, live: list[Replica], wanted: int, why: str) -> None:
+        if len(live) <= wanted:
+            return
+        # Give up the least useful first: unplaced, then not ready, then the newest.
+        live.sort(key=self._keep_order)
+        for r in live[wanted:]:
+            self._retire(r, why)
+
+    def _retire(self, r: Replica, why: str) -> None:
+        if not r.placed:
+            del self.state.replicas[r.replica_id]
+            return
+        r.draining = True
+        r.drain_deadline = self.now + self.s.drain_timeout
+        r.explanation = why
+        self._drain(r, [self._report(p) for p in r.shards])
+
+    def _view(self, r: Replica) -> ReplicaView:
+        ready = r.ready_since is not None
+        return ReplicaView(
+            r.replica_id,
+            ready=ready,
+            placed=r.placed,
+            failing=(r.last_error or r.explanation) if r.failures and not ready else "",
+            unplaced="" if r.placed else r.explanation,
+            ready_since=r.ready_since or 0.0,
+        )
 
     def _keep_order(self, r: Replica) -> tuple[int, float, str]:
         if not r.placed:
@@ -493,6 +557,7 @@ class _Pass:
             r.leader_address = result.leader_address
             r.explanation = result.reason
             r.created_at = self.now
+            r.revision = profile.revision
             r.shards = [
                 ShardPlan(r.shard_id(s.rank), s.node_id, s.rank, s.gpu_indices, s.port, s.address)
                 for s in result.shards

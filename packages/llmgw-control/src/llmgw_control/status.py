@@ -120,6 +120,12 @@ def explain(f: Fleet, model: str) -> dict[str, Any] | None:
             entry["rollout"] = dict(f.rollouts[(model, name)])
         if (model, name) in f.scaling:
             entry["scaling"] = dict(f.scaling[(model, name)])
+            entry["wanted"] = entry["scaling"]["wanted"]
+        live = [r for r in entry["replicas"] if r["state"] != "draining"]
+        has = sum(1 for r in live if r["nodes"])
+        unplaced = next((r["explanation"] for r in live if r["state"] == "unplaced"), "")
+        if has < entry["wanted"] and unplaced:
+            entry["summary"] = f"wants {entry['wanted']}, has {has}: {unplaced}"
         out.append(entry)
     return {"model": model, "profiles": out}
 

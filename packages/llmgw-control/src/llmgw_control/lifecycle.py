@@ -1,0 +1,235 @@
+"""Lifecycle decisions, pure: rolling replacement, autoscaling, scale to zero.
+
+No I/O and no clocks of their own: each function takes what it decides on (replica
+summaries, load figures, the time) and returns a decision with the words status and
+``explain`` show. The reconciler applies a rollout step; the controller runs the
+autoscaler and hands the reconciler the wanted count.
+
+Rollout (a changed profile, :attr:`ProfileSpec.revision`): start new replicas while
+fewer than ``wanted`` are new and no more than ``wanted + max_surge`` exist; drain an
+old one while at least ``wanted - max_unavailable`` stay ready without it. A new
+replica that fails stops the rollout: nothing more is started or drained, and the old
+replicas serve on. A change of the replica count alone is no rollout.
+
+Autoscaling (``replicas: {min, max}``): the metric is the engines' waiting requests per
+ready replica, or their mean KV-cache use. Above the target for ``up_after``: scale to
+``ceil(ready * metric / target)`` (at least one more). Low enough that one replica
+fewer would stay under the target, for ``down_after``: one fewer (removed by drain).
+With ``min: 0`` a model with neither requests nor demand for ``idle_after`` goes to
+zero, and a router's demand brings it back to one at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "LoadSample",
+    "ReplicaView",
+    "RolloutStep",
+    "ScaleDecision",
+    "ScaleSpec",
+    "ScaleState",
+    "autoscale",
+    "rollout_step",
+]
+
+
+# --- rolling replacement -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What a rollout needs of one replica."""
+
+    replica_id: str
+    ready: bool
+    placed: bool = True
+    # Failed at least once and not ready since: why ("" when fine).
+    failing: str = ""
+    # Why it is not placed ("" when placed).
+    unplaced: str = ""
+    ready_since: float = 0.0
+
+
+@dataclass(frozen=True)
+class RolloutStep:
+    start: int
+    drain: tuple[str, ...]
+    # "rolling", "waiting" (for a new replica to get ready or placed) or "stopped".
+    state: str
+    reason: str = ""
+    progress: dict[str, Any] = field(default_factory=dict)
+
+
+def rollout_step(
+    wanted: int,
+    new: Sequence[ReplicaView],
+    old: Sequence[ReplicaView],
+    max_surge: int,
+    max_unavailable: int,
+) -> RolloutStep:
+    """One step of replacing ``old`` replicas with ``new`` ones (of the current revision)."""
+    failing = next((r for r in new if r.failing), None)
+    new_ready = sum(r.ready for r in new)
+    progress = {
+        "wanted": wanted,
+        "updated": len(new),
+        "updated_ready": new_ready,
+        "old": len(old),
+        "max_surge": max_surge,
+        "max_unavailable": max_unavailable,
+    }
+    if failing is not None:
+        reason = f"new replica {failing.replica_id} failed: {failing.failing}"
+        return RolloutStep(0, (), "stopped", reason, progress)
+    total = len(new) + len(old)
+    start = max(0, min(wanted - len(new), wanted + max_surge - total))
+    ready = new_ready + sum(r.ready for r in old)
+    floor = wanted - max_unavailable
+    drain: list[str] = []
+    # Old replicas that serve nothing go first, then the longest ready.
+    for r in sorted(old, key=lambda r: (r.ready, r.ready_since, r.replica_id)):
+        if r.ready:
+            if ready - 1 < floor:
+                continue
+            ready -= 1
+        elif total - 1 < wanted:
+            continue  # it may yet serve, and nothing new stands in for it
+        drain.append(r.replica_id)
+        total -= 1
+    waiting_on = next((r for r in new if not r.placed and r.unplaced), None)
+    if waiting_on is not None and not drain:
+        state, reason = (
+            "waiting",
+            f"new replica {waiting_on.replica_id} unplaced: {waiting_on.unplaced}",
+        )
+    elif not drain and not start:
+        state, reason = "waiting", "waiting for new replicas to be ready"
+    else:
+        state, reason = "rolling", ""
+    return RolloutStep(start, tuple(drain), state, reason, progress)
+
+
+# --- autoscaling -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    min: int
+    max: int
+    metric: str = "waiting"  # or "kv_cache"
+    target: float = 4.0
+    up_after: float = 30.0
+    down_after: float = 300.0
+    idle_after: float = 600.0
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """One ready replica's fresh figures."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    wanted: int
+    over_since: float | None = None
+    under_since: float | None = None
+    idle_since: float | None = None
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    wanted: int
+    state: ScaleState
+    reason: str
+    metric: float | None = None
+
+
+def _metric(spec: ScaleSpec, samples: Sequence[LoadSample], ready: int) -> float:
+    if spec.metric == "kv_cache":
+        return sum(s.kv_cache_usage for s in samples) / len(samples)
+    return sum(s.waiting for s in samples) / max(ready, 1)
+
+
+def autoscale(
+    spec: ScaleSpec,
+    state: ScaleState,
+    ready: int,
+    samples: Sequence[LoadSample],
+    now: float,
+    *,
+    demand_at: float | None = None,
+) -> ScaleDecision:
+    """The replica count wanted now, between ``spec.min`` and ``spec.max``.
+
+    ``samples`` are the fresh figures of ready replicas (stale ones left out);
+    ``demand_at`` is when a router last said it holds requests for the model.
+    """
+    wanted = min(max(state.wanted, spec.min), spec.max)
+    st = replace(state, wanted=wanted)
+    if wanted == 0:
+        if demand_at is not None and (st.idle_since is None or demand_at > st.idle_since):
+            new = replace(st, wanted=1, over_since=None, under_since=None, idle_since=None)
+            return ScaleDecision(1, new, "demand from a router: starting a replica")
+        return ScaleDecision(0, st, "scaled to zero: no requests and no demand")
+    busy = sum(s.running + s.waiting for s in samples)
+    if spec.min == 0 and samples and len(samples) >= ready:
+        idle = busy == 0 and not (demand_at is not None and now - demand_at < spec.idle_after)
+        if idle:
+            since = st.idle_since if st.idle_since is not None else now
+            st = replace(st, idle_since=since)
+            if now - since >= spec.idle_after:
+                new = replace(st, wanted=0, over_since=None, under_since=None, idle_since=now)
+                return ScaleDecision(
+                    0, new, f"idle for {spec.idle_after:g}s: scaling to zero (by drain)"
+                )
+        else:
+            st = replace(st, idle_since=None)
+    if not samples:
+        return ScaleDecision(wanted, st, "no fresh load figures: keeping the count")
+    metric = _metric(spec, samples, ready)
+    if metric > spec.target:
+        since = st.over_since if st.over_since is not None else now
+        st = replace(st, over_since=since, under_since=None)
+        if now - since >= spec.up_after and wanted < spec.max:
+            goal = max(wanted + 1, math.ceil(max(ready, 1) * metric / spec.target))
+            goal = min(goal, spec.max)
+            st = replace(st, wanted=goal, over_since=None)
+            return ScaleDecision(
+                goal,
+                st,
+                f"{spec.metric} {metric:.3g} above target {spec.target:g} for "
+                f"{spec.up_after:g}s: {wanted} -> {goal}",
+                metric,
+            )
+        return ScaleDecision(
+            wanted, st, f"{spec.metric} {metric:.3g} above target {spec.target:g}", metric
+        )
+    # One replica fewer would carry the same load at metric * ready / (ready - 1).
+    fewer = ready - 1
+    fits_fewer = fewer >= 1 and metric * ready / fewer < spec.target
+    if fits_fewer and wanted > max(spec.min, 1):
+        since = st.under_since if st.under_since is not None else now
+        st = replace(st, under_since=since, over_since=None)
+        if now - since >= spec.down_after:
+            st = replace(st, wanted=wanted - 1, under_since=None)
+            return ScaleDecision(
+                wanted - 1,
+                st,
+                f"{spec.metric} {metric:.3g} fits {fewer} replicas for {spec.down_after:g}s: "
+                f"{wanted} -> {wanted - 1} (by drain)",
+                metric,
+            )
+        return ScaleDecision(wanted, st, f"{spec.metric} {metric:.3g} fits fewer replicas", metric)
+    st = replace(st, over_since=None, under_since=None)
+    return ScaleDecision(
+        wanted, st, f"{spec.metric} {metric:.3g} within target {spec.target:g}", metric
+    )

@@ -1,0 +1,254 @@
+"""Rollouts and autoscaling, pure: decision functions and the reconciler applying them."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
+from llmgw_control.inventory import GpuSlot, Node, ShardReport
+from llmgw_control.lifecycle import (
+    LoadSample,
+    ReplicaView,
+    ScaleSpec,
+    ScaleState,
+    autoscale,
+    rollout_step,
+)
+from llmgw_control.reconciler import ControlState, Drain, Settings, Start, reconcile
+from llmgw_proto import v1
+
+S = v1.ShardState
+SETTINGS = Settings(port_range=(20000, 20999), mgmt_interface="lo", startup_grace=0.0)
+
+
+# --- rollout_step --------------------------------------------------------------------------
+
+views = st.builds(
+    ReplicaView,
+    replica_id=st.uuids().map(str),
+    ready=st.booleans(),
+    placed=st.booleans(),
+    failing=st.sampled_from(["", "", "", "exited with code 1"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 6),
+    st.lists(views, max_size=7),
+    st.lists(views, max_size=7),
+    st.integers(0, 2),
+    st.integers(0, 2),
+)
+def test_rollout_step_bounds(
+    wanted: int,
+    new: list[ReplicaView],
+    old: list[ReplicaView],
+    surge: int,
+    unavailable: int,
+) -> None:
+    step = rollout_step(wanted, new, old, surge, unavailable)
+    assert set(step.drain) <= {r.replica_id for r in old}
+    # Never more than wanted + max_surge replicas, counting what it starts.
+    assert step.start == 0 or len(new) + len(old) + step.start <= wanted + surge
+    assert len(new) + step.start <= max(wanted, len(new))
+    ready_before = sum(r.ready for r in new + old)
+    drained_ready = sum(r.ready for r in old if r.replica_id in step.drain)
+    # Draining never takes the ready count below wanted - max_unavailable (if it was above).
+    if drained_ready:
+        assert ready_before - drained_ready >= wanted - unavailable
+    if any(r.failing for r in new):
+        assert step.state == "stopped"
+        assert (step.start, step.drain) == (0, ())
+        assert "failed" in step.reason
+
+
+def simulate(wanted: int, surge: int, unavailable: int) -> list[int]:
+    """Drive rollout_step with replicas that get ready one step after they start."""
+    old = [ReplicaView(f"o{i}", ready=True, ready_since=float(i)) for i in range(wanted)]
+    new: list[ReplicaView] = []
+    counter = itertools.count()
+    ready_counts = []
+    for _ in range(10 * (wanted + 1)):
+        step = rollout_step(wanted, new, old, surge, unavailable)
+        old = [r for r in old if r.replica_id not in step.drain]
+        new = [ReplicaView(r.replica_id, ready=True) for r in new]  # started last step
+        new += [ReplicaView(f"n{next(counter)}", ready=False) for _ in range(step.start)]
+        ready_counts.append(sum(r.ready for r in new + old))
+        if not old and len(new) == wanted and all(r.ready for r in new):
+            return ready_counts
+    raise AssertionError(f"no convergence: new={new} old={old}")
+
+
+@given(st.integers(1, 8), st.integers(0, 2), st.integers(0, 2))
+def test_a_rollout_converges_and_keeps_enough_ready(
+    wanted: int, surge: int, unavailable: int
+) -> None:
+    if surge == 0 and unavailable == 0:
+        return  # refused by the catalog: it could never start
+    counts = simulate(wanted, surge, unavailable)
+    assert min(counts) >= wanted - unavailable
+
+
+# --- autoscale -----------------------------------------------------------------------------
+
+SPEC = ScaleSpec(min=1, max=6, metric="waiting", target=4.0, up_after=10.0, down_after=30.0)
+
+
+def test_scale_up_after_the_window_and_say_why() -> None:
+    state = ScaleState(wanted=2)
+    busy = [LoadSample(running=8, waiting=10, kv_cache_usage=0.9)] * 2
+    first = autoscale(SPEC, state, 2, busy, 100.0)
+    assert first.wanted == 2  # exceeded, but not for long enough yet
+    later = autoscale(SPEC, first.state, 2, busy, 110.0)
+    assert later.wanted == 5  # ceil(2 * 10 / 4)
+    assert "above target 4 for 10s: 2 -> 5" in later.reason
+
+
+def test_scale_down_one_at_a_time_after_the_cool_down() -> None:
+    state = ScaleState(wanted=4)
+    calm = [LoadSample(running=1, waiting=0, kv_cache_usage=0.1)] * 4
+    d = autoscale(SPEC, state, 4, calm, 0.0)
+    assert d.wanted == 4
+    d = autoscale(SPEC, d.state, 4, calm, 29.0)
+    assert d.wanted == 4
+    d = autoscale(SPEC, d.state, 4, calm, 30.0)
+    assert d.wanted == 3
+    assert "(by drain)" in d.reason
+
+
+def test_scale_to_zero_and_back_on_demand() -> None:
+    spec = ScaleSpec(min=0, max=2, idle_after=60.0)
+    idle = [LoadSample(running=0, waiting=0, kv_cache_usage=0.0)]
+    d = autoscale(spec, ScaleState(wanted=1), 1, idle, 0.0)
+    assert d.wanted == 1
+    d = autoscale(spec, d.state, 1, idle, 60.0)
+    assert d.wanted == 0
+    d = autoscale(spec, d.state, 0, [], 61.0)
+    assert d.wanted == 0
+    d = autoscale(spec, d.state, 0, [], 70.0, demand_at=69.0)
+    assert d.wanted == 1
+    assert "demand" in d.reason
+
+
+samples = st.lists(
+    st.builds(
+        LoadSample,
+        running=st.integers(0, 20),
+        waiting=st.integers(0, 40),
+        kv_cache_usage=st.floats(0, 1),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 3),
+    st.integers(1, 8),
+    st.sampled_from(["waiting", "kv_cache"]),
+    st.lists(st.tuples(samples, st.floats(0, 50), st.booleans()), max_size=12),
+)
+def test_autoscale_stays_in_bounds_and_moves_down_by_one(
+    low: int, span: int, metric: str, script: list[tuple[list[LoadSample], float, bool]]
+) -> None:
+    spec = ScaleSpec(
+        min=low, max=low + span, metric=metric, target=0.8 if metric == "kv_cache" else 4.0
+    )
+    state = ScaleState(wanted=low)
+    now = 0.0
+    for figures, dt, demand in script:
+        now += dt
+        ready = min(state.wanted, len(figures)) if figures else state.wanted
+        d = autoscale(spec, state, ready, figures, now, demand_at=now if demand else None)
+        assert spec.min <= d.wanted <= spec.max or (spec.min == 0 and d.wanted == 0)
+        assert d.wanted <= spec.max
+        # Down only one at a time (by drain), except idle to zero.
+        if d.wanted < state.wanted:
+            assert d.wanted == state.wanted - 1 or d.wanted == 0
+        assert d.reason
+        state = d.state
+
+
+# --- the reconciler rolling a changed profile -------------------------------------------
+
+
+def catalog(**profile: Any) -> Catalog:
+    fields = {"engine": "vllm", "gpus_per_node": 1, "replicas": 3, **profile}
+    models = msgspec.convert([{"name": "m", "profiles": {"p": fields}}], list[ModelConfig])
+    return build_catalog(models, "control.yaml")
+
+
+def test_reconciler_rolls_a_changed_profile_without_losing_ready_replicas() -> None:
+    nodes = {
+        n: Node(
+            n,
+            "s1",
+            gpus=(GpuSlot(0, "g", 1), GpuSlot(1, "g", 1)),
+            interfaces={"lo": [f"10.0.0.{i}"]},
+        )
+        for i, n in enumerate(["a", "b", "c"])
+    }
+    ids = (f"m.p.{i:08x}" for i in itertools.count())
+    state = ControlState()
+    now = 10.0
+
+    def run(cat: Catalog, fail_new: bool = False) -> None:
+        nonlocal state, now
+        now += 1.0
+        d = reconcile(cat, nodes, state, now, SETTINGS, lambda m, p: next(ids))
+        state = d.state
+        for c in d.commands:
+            node = nodes[c.node_id]
+            if isinstance(c, Start):
+                node.shards[c.shard_id] = ShardReport(
+                    c.shard_id, c.replica_id, S.FAILED if fail_new else S.READY,
+                    model="m", profile="p", gpu_indices=c.gpu_indices, port=c.port,
+                    reason="bad flag --nope" if fail_new else "",
+                )  # fmt: skip
+            elif isinstance(c, Drain):
+                node.shards[c.shard_id].state = S.STOPPED
+
+    v1_cat = catalog()
+    for _ in range(4):
+        run(v1_cat)
+    assert sum(r.ready_since is not None for r in state.replicas.values()) == 3
+    first_ids = set(state.replicas)
+
+    # A new revision whose replica fails: the rollout stops, the old three serve on.
+    bad = catalog(engine_args=["--nope"])
+    for _ in range(6):
+        run(bad, fail_new=True)
+        ready_old = [
+            r for r in state.replicas.values() if r.replica_id in first_ids and not r.draining
+        ]
+        assert len(ready_old) == 3
+    d = reconcile(bad, nodes, state, now, SETTINGS, lambda m, p: next(ids))
+    assert d.rollouts[("m", "p")]["state"] == "stopped"
+    assert "bad flag --nope" in d.rollouts[("m", "p")]["reason"]
+
+    # A good change rolls through: never fewer than 3 ready and not draining.
+    good = catalog(engine_args=["--max-model-len", "4096"])
+    for _ in range(30):
+        run(good)
+        serving = [
+            r for r in state.replicas.values() if r.ready_since is not None and not r.draining
+        ]
+        assert len(serving) >= 3
+    live = [r for r in state.replicas.values() if not r.draining]
+    assert len(live) == 3
+    assert all(r.revision == good.profiles[0].revision for r in live)
+    assert not first_ids & {r.replica_id for r in live}
+
+    # Only the count changes: it scales, nothing is replaced.
+    before = {r.replica_id for r in live}
+    more = catalog(engine_args=["--max-model-len", "4096"], replicas=4)
+    for _ in range(3):
+        run(more)
+    after = {r.replica_id for r in state.replicas.values() if not r.draining}
+    assert before < after
+    assert len(after) == 4
