@@ -95,3 +95,64 @@ async def test_admin_routes_over_a_socket() -> None:
         )
     finally:
         await admin.close()
+
+
+def test_status_tables_read_like_kubectl() -> None:
+    """Issue 18.2: headers say what they count; engines, load and short reasons show."""
+    from llmgw_control.cli import render_explain, render_status
+
+    data: dict[str, Any] = {
+        "nodes": [
+            {
+                "node_id": "gpu-a", "state": "READY", "address": "10.0.0.1", "shards": 1,
+                "labels": {"zone": "a"}, "gpus_used": 2,
+                "gpus": [{"in_use": True}, {"in_use": True}] + [{"in_use": False}] * 6,
+                "engines": [
+                    {"kind": "vllm", "version": "0.32.0", "executable": "", "error": ""},
+                    {"kind": "sglang", "version": "", "executable": "", "error": "no module"},
+                ],
+            }
+        ],
+        "replicas": [
+            {
+                "replica_id": "m.p.1", "model": "m", "profile": "p", "state": "ready",
+                "adopted": False, "nodes": ["gpu-a"], "endpoint": "http://10.0.0.1:20000",
+                "shards": [{"state": "ready"}], "failures": 0, "retry_in": 0, "last_error": "",
+                "explanation": "1 of 1 nodes fit", "reason": "", "endpoint_warning": None,
+                "load": {"known": True, "running": 3, "waiting": 5, "kv_cache_usage": 0.5},
+            },
+            {
+                "replica_id": "m.p.2", "model": "m", "profile": "p", "state": "unplaced",
+                "adopted": False, "nodes": [], "endpoint": None, "shards": [], "failures": 0,
+                "retry_in": 0, "last_error": "", "reason": "too few free GPUs",
+                "explanation": "0 of 1 nodes fit: 1 has too few free GPUs (need 8, ...)",
+                "endpoint_warning": None, "load": None,
+            },
+        ],
+        "rollouts": [
+            {"model": "m", "profile": "p", "state": "stopped", "updated_ready": 0, "wanted": 2,
+             "old": 2, "reason": "new replica m.p.3 failed: bad flag", "revision": "abc"},
+        ],
+        "scaling": [],
+        "warnings": [],
+        "unplaceable": [{"replica_id": "m.p.2", "explanation": "0 of 1 nodes fit: ..."}],
+    }  # fmt: skip
+    text = render_status(data)
+    header = next(line for line in text.splitlines() if line.startswith("NODE "))
+    assert "GPUS USED/TOTAL" in header
+    node_row = next(line for line in text.splitlines() if line.startswith("gpu-a"))
+    assert " 2/8 " in node_row
+    assert "vllm 0.32.0, sglang (unusable)" in node_row
+    assert "3 run, 5 wait, kv 50%" in text
+    unplaced = next(line for line in text.splitlines() if line.startswith("m.p.2"))
+    assert unplaced.rstrip().endswith("too few free GPUs")
+    assert "new replica m.p.3 failed: bad flag" in text
+    assert "UNPLACEABLE" in text
+    explained = render_explain(
+        "m",
+        {"profiles": [{"profile": "p", "wanted": 2, "replicas": data["replicas"],
+                       "summary": "wants 2, has 1: 0 of 1 nodes fit: ..."}]},
+    )  # fmt: skip
+    assert "m.p.2  unplaced: too few free GPUs" in explained
+    assert "wants 2, has 1: 0 of 1 nodes fit" in explained
+    assert "nowhere" not in explained

@@ -356,6 +356,8 @@ async def test_status_and_explain_commands(
     assert "gpu-a" in out.stdout
     assert "READY" in out.stdout
     assert "1/4" in out.stdout
+    assert "GPUS USED/TOTAL" in out.stdout  # the header says what it counts
+    assert "too few GPUs matching '*'" in out.stdout  # the REASON column
     assert "UNPLACEABLE" in out.stdout
     assert (
         "0 of 1 nodes fit: 1 has too few GPUs matching '*' (need 8, most is 4 on gpu-a)"
@@ -365,7 +367,9 @@ async def test_status_and_explain_commands(
     out = await cli("explain", "huge")
     assert out.returncode == 0, out.stderr
     assert "huge / p: 1 wanted, 1 known" in out.stdout
-    assert "unplaced  on nowhere" in out.stdout
+    # An unplaced replica says why in a few words (issue 18.2), not "on nowhere".
+    assert "unplaced: too few GPUs matching '*'" in out.stdout
+    assert "on nowhere" not in out.stdout
     assert "why: 0 of 1 nodes fit" in out.stdout
 
     out = await cli("explain", "small")

@@ -7,6 +7,7 @@ import contextlib
 import json
 import signal
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -192,48 +193,142 @@ admin_option = click.option(
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
+@click.option("--watch", "-w", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.2),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
 @admin_option
-def status(as_json: bool, admin: str) -> None:
-    """Nodes, replicas and unplaceable replicas, as tables."""
-    code, data = _get(admin, "/v1/status")
-    if code != 200:
-        fail(f"admin API answered {code}: {data.get('error', data)}", code=1)
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-        return
+def status(as_json: bool, watch: bool, interval: float, admin: str) -> None:
+    """Nodes, replicas, rollouts and what cannot be placed, as tables."""
+    while True:
+        code, data = _get(admin, "/v1/status")
+        if code != 200:
+            fail(f"admin API answered {code}: {data.get('error', data)}", code=1)
+        text = json.dumps(data, indent=2) if as_json else render_status(data)
+        if not watch:
+            click.echo(text)
+            return
+        # Clear the screen and draw again, like `watch` or `kubectl get -w`.
+        click.echo("\x1b[H\x1b[2J" + text, nl=True)
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+
+
+def _engines(n: dict[str, Any]) -> str:
+    parts = [
+        f"{e['kind']} {e['version']}" if not e.get("error") else f"{e['kind']} (unusable)"
+        for e in n.get("engines", [])
+    ]
+    return ", ".join(parts) or "-"
+
+
+def _load_text(load: dict[str, Any] | None) -> str:
+    if not load or not load.get("known"):
+        return "-"
+    return f"{load['running']} run, {load['waiting']} wait, kv {load['kv_cache_usage']:.0%}"
+
+
+def _why(r: dict[str, Any]) -> str:
+    """A few words for the REASON column; `explain MODEL` gives the rest."""
+    if r["state"] == "unplaced":
+        return str(r.get("reason") or "cannot be placed")
+    if r["state"] == "backoff":
+        return f"retry in {r['retry_in']:g}s: {r['last_error']}"[:70]
+    if r.get("endpoint_warning"):
+        return "endpoint unreachable by routers (see warnings)"
+    if r["state"] == "draining":
+        return str(r["explanation"]).removeprefix("draining: ")
+    return ""
+
+
+def render_status(data: dict[str, Any]) -> str:
+    """The tables of `llmgw-control status`, pure: one string from the status JSON."""
+    out = []
     nodes = [
         [
             n["node_id"],
             n["state"],
-            f"{sum(g['in_use'] for g in n['gpus'])}/{len(n['gpus'])}",
+            f"{n.get('gpus_used', sum(g['in_use'] for g in n['gpus']))}/{len(n['gpus'])}",
+            str(n["shards"]),
             n["address"] or "-",
-            n["last_heartbeat"] or "-",
+            _engines(n),
             ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "-",
         ]
         for n in data["nodes"]
     ]
-    click.echo("NODES")
-    click.echo(_table(nodes, ["NODE", "STATE", "GPUS", "ADDRESS", "LAST HEARTBEAT", "LABELS"]))
-    replicas = [
-        [
-            r["replica_id"],
-            r["model"],
-            r["profile"],
-            r["state"] + (" (adopted)" if r["adopted"] else ""),
-            ",".join(r["nodes"]) or "-",
-            r["endpoint"] or "-",
-            str(r["failures"]),
-        ]
-        for r in data["replicas"]
-    ]
-    click.echo("\nREPLICAS")
-    click.echo(
-        _table(replicas, ["REPLICA", "MODEL", "PROFILE", "STATE", "NODES", "ENDPOINT", "FAILURES"])
+    out.append(
+        _table(
+            nodes,
+            ["NODE", "STATE", "GPUS USED/TOTAL", "SHARDS", "ADDRESS", "ENGINES", "LABELS"],
+        )
     )
+    replicas = []
+    for r in data["replicas"]:
+        shards = r["shards"]
+        ready = sum(1 for x in shards if x["state"] == "ready")
+        replicas.append(
+            [
+                r["replica_id"],
+                f"{r['model']}/{r['profile']}",
+                r["state"] + (" (adopted)" if r["adopted"] else ""),
+                f"{ready}/{len(shards)}" if shards else "-",
+                ",".join(r["nodes"]) or "-",
+                r["endpoint"] or "-",
+                _load_text(r.get("load")),
+                str(r["failures"]),
+                _why(r),
+            ]
+        )
+    out.append(
+        _table(
+            replicas,
+            [
+                "REPLICA", "MODEL/PROFILE", "STATE", "SHARDS READY/TOTAL", "NODES", "ENDPOINT",
+                "LOAD", "FAILURES", "REASON",
+            ],
+        )
+    )  # fmt: skip
+    rollouts = data.get("rollouts") or []
+    if rollouts:
+        rows = [
+            [
+                f"{x['model']}/{x['profile']}",
+                x["state"],
+                f"{x['updated_ready']}/{x['wanted']}",
+                str(x["old"]),
+                x["reason"] or "-",
+            ]
+            for x in rollouts
+        ]
+        out.append(_table(rows, ["ROLLOUT", "STATE", "UPDATED READY/WANTED", "OLD LEFT", "REASON"]))
+    scaling = data.get("scaling") or []
+    if scaling:
+        rows = [
+            [
+                f"{x['model']}/{x['profile']}",
+                f"{x['min']}-{x['max']}",
+                str(x["wanted"]),
+                str(x["ready"]),
+                f"{x['metric']} {'-' if x['value'] is None else x['value']}/{x['target']}",
+                x["reason"],
+            ]
+            for x in scaling
+        ]
+        out.append(
+            _table(rows, ["AUTOSCALED", "MIN-MAX", "WANTED", "READY", "METRIC/TARGET", "WHY"])
+        )
+    for w in data.get("warnings") or []:
+        out.append(f"WARNING {w['replica_id']}: {w['warning']}")
     if data["unplaceable"]:
-        click.echo("\nUNPLACEABLE")
-        for u in data["unplaceable"]:
-            click.echo(f"{u['replica_id']}: {u['explanation']}")
+        out.append("UNPLACEABLE (llmgw-control explain MODEL for the rest)")
+        out.extend(f"{u['replica_id']}: {u['explanation']}" for u in data["unplaceable"])
+    return "\n\n".join(out)
 
 
 @main.command()
@@ -246,21 +341,42 @@ def explain(model: str, admin: str) -> None:
         fail(data.get("error", f"unknown model {model!r}"), code=1)
     if code != 200:
         fail(f"admin API answered {code}: {data.get('error', data)}", code=1)
+    click.echo(render_explain(model, data))
+    sys.stdout.flush()
+
+
+def render_explain(model: str, data: dict[str, Any]) -> str:
+    lines = []
     for p in data["profiles"]:
         have = len(p["replicas"])
-        click.echo(f"{model} / {p['profile']}: {p['wanted']} wanted, {have} known")
+        lines.append(f"{model} / {p['profile']}: {p['wanted']} wanted, {have} known")
+        if p.get("summary"):
+            lines.append(f"  {p['summary']}")
+        if p.get("scaling"):
+            lines.append(f"  autoscaling: {p['scaling']['reason']}")
+        if p.get("rollout"):
+            ro = p["rollout"]
+            lines.append(
+                f"  rollout to {ro['revision']}: {ro['state']}, {ro['updated_ready']} of "
+                f"{ro['wanted']} updated and ready, {ro['old']} old left"
+                + (f": {ro['reason']}" if ro["reason"] else "")
+            )
         if not p["replicas"]:
-            click.echo("  (none yet: the control plane waits for agents after a start)")
+            lines.append("  (none yet: the control plane waits for agents after a start)")
         for r in p["replicas"]:
-            where = ",".join(r["nodes"]) or "nowhere"
-            click.echo(f"  {r['replica_id']}  {r['state']}  on {where}")
+            if r["nodes"]:
+                lines.append(f"  {r['replica_id']}  {r['state']}  on {','.join(r['nodes'])}")
+            else:
+                lines.append(f"  {r['replica_id']}  {r['state']}: {_why(r) or 'not placed yet'}")
             if r["explanation"]:
-                click.echo(f"    why: {r['explanation']}")
+                lines.append(f"    why: {r['explanation']}")
+            if r.get("endpoint_warning"):
+                lines.append(f"    warning: {r['endpoint_warning']}")
             if r["last_error"]:
-                click.echo(f"    last error: {r['last_error']}")
+                lines.append(f"    last error: {r['last_error']}")
             if r["state"] == "backoff":
-                click.echo(f"    retry in {r['retry_in']}s (failures: {r['failures']})")
-    sys.stdout.flush()
+                lines.append(f"    retry in {r['retry_in']}s (failures: {r['failures']})")
+    return "\n".join(lines)
 
 
 @main.group()
