@@ -291,6 +291,14 @@ class FakeControl:
     def __init__(self, port: int, heartbeat_interval: float = 0.2) -> None:
         self.port = port
         self.heartbeat_interval = heartbeat_interval
+        # RegisterAck.epoch and .load_interval (0: not set).
+        self.epoch = 0
+        self.load_interval = 0.0
+        # Set: answer every stream as a standby does (UNAVAILABLE naming this leader).
+        self.standby_for: str | None = None
+        # Set: refuse every stream with PERMISSION_DENIED (a certificate for another node).
+        self.deny = False
+        self.refused = 0
         # One list of received messages per stream, in order.
         self.streams: list[list[v1.AgentMessage]] = []
         self._outgoing: asyncio.Queue[v1.ControlMessage] = asyncio.Queue()
@@ -330,6 +338,20 @@ class FakeControl:
     async def _connect(
         self, stream: grpclib.server.Stream[v1.AgentMessage, v1.ControlMessage]
     ) -> None:
+        if self.standby_for is not None or self.deny:
+            self.refused += 1
+            status = (
+                grpclib.const.Status.PERMISSION_DENIED
+                if self.deny
+                else grpclib.const.Status.UNAVAILABLE
+            )
+            await stream.send_trailing_metadata(
+                status=status,
+                status_message="not the leader" if not self.deny else "node id mismatch",
+                # grpclib refuses an empty metadata value: name a leader only when known.
+                metadata={"llmgw-leader": self.standby_for} if self.standby_for else None,
+            )
+            return
         received: list[v1.AgentMessage] = []
         self.streams.append(received)
         self._transports.append(stream.peer._transport)
@@ -342,6 +364,10 @@ class FakeControl:
                 register_ack=v1.RegisterAck(
                     session_id=f"s{len(self.streams)}",
                     heartbeat_interval=datetime.timedelta(seconds=self.heartbeat_interval),
+                    epoch=self.epoch,
+                    load_interval=datetime.timedelta(seconds=self.load_interval)
+                    if self.load_interval
+                    else None,
                 )
             )
         )
@@ -368,6 +394,9 @@ class FakeControl:
 
     def results(self) -> list[v1.CommandResult]:
         return [m.command_result for s in self.streams for m in s if m.command_result is not None]
+
+    def load_reports(self) -> list[v1.LoadReport]:
+        return [m.load_report for s in self.streams for m in s if m.load_report is not None]
 
     def heartbeats(self, stream: int = -1) -> list[v1.Heartbeat]:
         if not self.streams:

@@ -13,10 +13,10 @@ from llmgw_agent.adapters import (
     adapter_for,
     build_launch,
     reachability_problem,
-    split_host_port,
 )
 from llmgw_agent.engine_flags import FlagSpec, Option, captured, parse_help
 from llmgw_proto import v1
+from llmgw_proto.addr import parse_hostport
 
 SPECS = {
     "vllm": captured("vllm", "0.32.0"),
@@ -204,12 +204,12 @@ def test_parse_forms() -> None:
     )
 
 
-def test_split_host_port() -> None:
-    assert split_host_port("10.0.0.5:29500") == ("10.0.0.5", 29500)
-    assert split_host_port("[fd00::2]:29500") == ("fd00::2", 29500)
+def test_leader_address_parsing() -> None:
+    assert parse_hostport("10.0.0.5:29500") == ("10.0.0.5", 29500)
+    assert parse_hostport("[fd00::2]:29500") == ("fd00::2", 29500)
     for bad in ("10.0.0.5", ":1", "h:0", "h:99999", "h:x"):
         with pytest.raises(ValueError, match="expected HOST:PORT"):
-            split_host_port(bad)
+            parse_hostport(bad)
 
 
 # (--dtype is left out: its value must be one of its choices.)

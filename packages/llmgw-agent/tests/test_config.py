@@ -30,18 +30,20 @@ def test_defaults_need_tls_or_insecure() -> None:
 
 
 def test_full_config(tmp_path: Path) -> None:
+    for name in ("n.crt", "n.key", "ca.crt"):
+        (tmp_path / name).write_text("-")
     path = write(
         tmp_path,
-        """
+        f"""
 node_id: gpu-7
 control:
   address: 10.0.0.1:7070
-  tls: {cert: n.crt, key: n.key, ca: ca.crt}
-labels: {fabric.nvlink-domain: nvl72-a, fabric.ib-subnet: ib-3}
-simulate_gpus: {count: 4, name: NVIDIA H200, memory: 141GiB}
+  tls: {{cert: {tmp_path}/n.crt, key: {tmp_path}/n.key, ca: {tmp_path}/ca.crt}}
+labels: {{fabric.nvlink-domain: nvl72-a, fabric.ib-subnet: ib-3}}
+simulate_gpus: {{count: 4, name: NVIDIA H200, memory: 141GiB}}
 engine_host: 127.0.0.1
 engines:
-  vllm: {command: [llmgw-sim, vllm]}
+  vllm: {{command: [llmgw-sim, vllm]}}
 state_dir: /tmp/x
 stop_grace: 5s
 load_timeout: 2m
@@ -114,3 +116,24 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_parse_size_binary_units(n: int, unit: str) -> None:
     factor = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}[unit]
     assert parse_size(f"{n}{unit}") == n * factor
+
+
+def test_missing_certificate_file_names_file_field_and_path(tmp_path: Path) -> None:
+    (tmp_path / "n.key").write_text("-")
+    (tmp_path / "ca.crt").write_text("-")
+    tls = f"{{cert: {tmp_path}/gone.crt, key: {tmp_path}/n.key, ca: {tmp_path}/ca.crt}}"
+    path = write(tmp_path, f"control: {{tls: {tls}}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_agent_config(path)
+    assert str(info.value) == f"{path}: $.control.tls.cert: no such file: {tmp_path}/gone.crt"
+
+
+def test_several_control_addresses(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "control: {tls: {insecure: true}, addresses: [10.0.0.1:7070, '[fd00::1]:7070']}\n",
+    )
+    assert load_agent_config(path).control_addresses() == ["10.0.0.1:7070", "[fd00::1]:7070"]
+    bad = write(tmp_path, "control: {tls: {insecure: true}, addresses: [10.0.0.1]}\n", "b.yaml")
+    with pytest.raises(ConfigError, match=r"\$\.control\.addresses\[0\]: expected HOST:PORT"):
+        load_agent_config(bad)

@@ -145,8 +145,22 @@ def test_run_config_errors_exit_2(tmp_path: Path) -> None:
     out = subprocess.run(agent_argv(plain), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert (
-        "$.control.tls.cert: required unless tls.insecure is true (or --insecure is given)"
+        "$.control.tls.cert: required unless control.tls.insecure is true (or --insecure is given)"
         in out.stderr
+    )
+    # A certificate file that is not there: exit 2 naming the file, the field and the path,
+    # without a traceback.
+    (tmp_path / "n.crt").write_text("-")
+    (tmp_path / "ca.crt").write_text("-")
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(
+        "control:\n  address: 127.0.0.1:7070\n"
+        f"  tls: {{cert: {tmp_path}/n.crt, key: {tmp_path}/gone.key, ca: {tmp_path}/ca.crt}}\n"
+    )
+    out = subprocess.run(agent_argv(missing), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"error: {missing}: $.control.tls.key: no such file: {tmp_path}/gone.key"
     )
     assert "Traceback" not in out.stderr
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from llmgw_proto import v1
+from llmgw_proto.addr import parse_hostport, url_host
 
 from llmgw_agent.engine_flags import ParsedArgs
 
@@ -25,22 +26,8 @@ __all__ = [
     "LoadMetrics",
     "adapter_for",
     "build_launch",
-    "format_host",
     "reachability_problem",
-    "split_host_port",
 ]
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT``; raises ValueError naming the problem."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class Launch(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,10 +53,9 @@ class LoadMetrics:
     running: str
     waiting: str
     kv_cache_usage: str
-    # Counters; when ``hit_rate`` is set instead, the engine publishes only a ratio.
+    # Counters of prompt tokens looked up in, and found in, the prefix cache.
     prefix_queries: str = ""
     prefix_hits: str = ""
-    hit_rate: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,7 +134,7 @@ class VllmAdapter(Adapter):
         argv += ["--served-model-name", *served_names(start)]
         nodes = _nodes(start)
         if nodes > 1:
-            leader, port = split_host_port(start.multi_node.leader_address)  # type: ignore[union-attr]
+            leader, port = parse_hostport(start.multi_node.leader_address)  # type: ignore[union-attr]
             argv += ["--nnodes", str(nodes), "--node-rank", str(_rank(start))]
             argv += ["--master-addr", leader, "--master-port", str(port)]
             if not parsed.has("--distributed-executor-backend"):
@@ -247,7 +233,9 @@ SGLANG = SglangAdapter(
         running="sglang:num_running_reqs",
         waiting="sglang:num_queue_reqs",
         kv_cache_usage="sglang:token_usage",
-        hit_rate="sglang:cache_hit_rate",
+        # SGLang's cache_hit_rate gauge is a ratio; these counters are the tokens behind it.
+        prefix_queries="sglang:prompt_tokens",
+        prefix_hits="sglang:cached_tokens",
     ),
     needs_gpus=False,  # SGLang runs CPU-only profiles with --device cpu
     multi_node=True,
@@ -325,14 +313,14 @@ def build_launch(
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in start.gpu_indices)
     env.setdefault("PYTHONUNBUFFERED", "1")
     poll_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind_host, bind_host)
-    local = f"http://{format_host(poll_host)}:{start.port}"
+    local = f"http://{url_host(poll_host)}:{start.port}"
     headless = adapter.is_headless(start)
     return Launch(
         argv=argv,
         env=env,
         health_url=local + adapter.health_path,
         metrics_url=local + adapter.metrics_path,
-        endpoint_url="" if headless else f"http://{format_host(endpoint_host)}:{start.port}",
+        endpoint_url="" if headless else f"http://{url_host(endpoint_host)}:{start.port}",
         headless=headless,
         endpoint_warning="" if headless else reachability_problem(bind_host, endpoint_host),
     )

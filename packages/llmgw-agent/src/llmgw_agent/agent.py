@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from pathlib import Path
 
 import structlog
 from llmgw_proto import v1
@@ -13,6 +13,7 @@ from llmgw_proto.tls import CertReloader, client_context
 from llmgw_agent import __version__
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.inventory import GpuSource, Nvml, collect_inventory, open_gpus
+from llmgw_agent.load import LoadReporter
 from llmgw_agent.stream import ControlLink, Outbox
 from llmgw_agent.supervisor import Supervisor
 
@@ -44,7 +45,7 @@ class Agent:
                 address=config.control.address,
             )
         else:
-            files = (Path(tls.cert), Path(tls.key), Path(tls.ca))
+            files = tls.files()
             ssl_context = client_context(*files)
             reloader = CertReloader(ssl_context, *files)
         self.link = ControlLink(
@@ -55,6 +56,12 @@ class Agent:
             usage=self.gpus.usage,
             ssl_context=ssl_context,
             reloader=reloader,
+        )
+        self.load = LoadReporter(
+            self.supervisor.load_sources,
+            lambda report: self.outbox.put(v1.AgentMessage(load_report=report)),
+            interval=lambda: self.link.load_interval,
+            session=lambda: self.link.sessions if self.link.connected.is_set() else 0,
         )
 
     def register(self) -> v1.Register:
@@ -74,7 +81,10 @@ class Agent:
         installed = await asyncio.to_thread(self.supervisor.installed)
         log.info(
             "engines",
-            **{k: e.version or f"unusable: {e.error}" for k, e in installed.items()},
+            **{
+                k: f"unusable: {e.error}" if e.error else e.version or "version unknown"
+                for k, e in installed.items()
+            },
         )
         log.info(
             "agent starting",
@@ -82,12 +92,16 @@ class Agent:
             gpus=len(self.gpus.gpus),
             simulated=self.gpus.simulated,
             adopted=adopted,
-            control=self.config.control.address,
+            control=self.config.control_addresses(),
         )
         link = asyncio.create_task(self.link.run(), name="control link")
+        load = asyncio.create_task(self.load.run(), name="load reports")
         try:
             await stop.wait()
         finally:
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
             stopping = self.config.stop_engines_on_exit
             log.info("agent stopping", stop_engines=stopping, engines=len(self.supervisor.engines))
             await self.supervisor.close(stop_engines=stopping)

@@ -27,11 +27,9 @@ _ENGINE_NAMES = {"vllm": "ENGINE_KIND_VLLM", "sglang": "ENGINE_KIND_SGLANG"}
 _ENGINE_NAMES["llamacpp"] = "ENGINE_KIND_LLAMACPP"
 
 
-def _config_or_exit(
-    path: str | None, *, insecure: bool = False, files: bool = False
-) -> AgentConfig:
+def _config_or_exit(path: str | None, *, insecure: bool = False) -> AgentConfig:
     try:
-        return load_agent_config(path, insecure=insecure, files=files)
+        return load_agent_config(path, insecure=insecure)
     except ConfigError as err:
         fail(str(err))
 
@@ -199,7 +197,7 @@ def run(config_path: str | None, insecure: bool) -> None:
     SIGTERM or SIGINT stops the agent; engines keep running (a new agent re-adopts
     them) unless stop_engines_on_exit is set.
     """
-    config = _config_or_exit(config_path, insecure=insecure, files=True)
+    config = _config_or_exit(config_path, insecure=insecure)
     from llmgw_agent.agent import run_agent
 
     sys.exit(run_agent(config))

@@ -8,13 +8,15 @@ control plane's address in production). Problems are reported by
 from __future__ import annotations
 
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
+from llmgw_proto.addr import parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, convert, read
+from llmgw_proto.sizes import parse_size
+from llmgw_proto.tls import TlsConfig
 
 __all__ = [
     "AgentConfig",
@@ -24,55 +26,11 @@ __all__ = [
     "SimulatedGpus",
     "TlsConfig",
     "load_agent_config",
-    "parse_size",
+    "parse_size",  # re-exported from llmgw_proto.sizes
 ]
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 Command = Annotated[list[NonEmptyStr], msgspec.Meta(min_length=1)]
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``80GiB``, ``141GB``, ``512MiB`` or a plain number of bytes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size like `80GiB`, got a boolean")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("expected a size >= 0")
-        return value
-    match = _SIZE.match(value)
-    if not match:
-        raise ValueError(f"expected a size like `80GiB` or `141GB`, got {value!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
-
-
-class TlsConfig(BaseConfig):
-    # Plaintext must be asked for (here or with --insecure); otherwise all three files are needed.
-    insecure: bool = False
-    cert: str = ""
-    key: str = ""
-    ca: str = ""
 
 
 class ControlConfig(BaseConfig):
@@ -181,45 +139,24 @@ def _check(config: AgentConfig, source: str) -> AgentConfig:
             parse_size(config.simulate_gpus.memory)
         except ValueError as err:
             raise ConfigError(source, str(err), "$.simulate_gpus.memory") from None
-    host, sep, port = config.control.address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(source, "expected HOST:PORT", "$.control.address")
-    for i, address in enumerate(config.control.addresses):
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(source, "expected HOST:PORT", f"$.control.addresses[{i}]")
-    tls = config.control.tls
-    if not tls.insecure:
-        for name in ("cert", "key", "ca"):
-            if not getattr(tls, name):
-                raise ConfigError(
-                    source,
-                    "required unless tls.insecure is true (or --insecure is given)",
-                    f"$.control.tls.{name}",
-                )
+    addresses = [("$.control.address", config.control.address)]
+    addresses += [(f"$.control.addresses[{i}]", a) for i, a in enumerate(config.control.addresses)]
+    for where, address in addresses:
+        try:
+            parse_hostport(address)
+        except ValueError as err:
+            raise ConfigError(source, str(err), where) from None
+    config.control.tls.check(source, "$.control.tls")
     for key in config.labels:
         if not key:
             raise ConfigError(source, "label names must not be empty", "$.labels")
     return config
 
 
-def check_files(config: AgentConfig, source: str) -> None:
-    """The certificate, key and CA files exist (checked when the agent is to run)."""
-    tls = config.control.tls
-    if tls.insecure:
-        return
-    for name in ("cert", "key", "ca"):
-        path = Path(getattr(tls, name)).expanduser()
-        if not path.is_file():
-            raise ConfigError(source, f"no such file: {str(path)!r}", f"$.control.tls.{name}")
-
-
-def load_agent_config(
-    path: str | Path | None, *, insecure: bool = False, files: bool = False
-) -> AgentConfig:
+def load_agent_config(path: str | Path | None, *, insecure: bool = False) -> AgentConfig:
     """Load agent.yaml (or defaults when ``path`` is None); ``insecure`` is the CLI flag.
 
-    ``files``: also check that the files it names exist (for ``run``).
+    A missing certificate, key or CA file is a ConfigError naming the field and the path.
     """
     if path is None:
         data: object = {}
@@ -233,7 +170,4 @@ def load_agent_config(
         tls = control.get("tls") or {} if isinstance(control, dict) else None
         if isinstance(control, dict) and isinstance(tls, dict):
             data = {**data, "control": {**control, "tls": {**tls, "insecure": True}}}
-    config = _check(convert(data, AgentConfig, source=source), source)
-    if files:
-        check_files(config, source)
-    return config
+    return _check(convert(data, AgentConfig, source=source), source)

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 import pynvml
 import structlog
 from llmgw_proto import v1
+from llmgw_proto.sizes import parse_size
 
-from llmgw_agent.config import AgentConfig, SimulatedGpus, parse_size
+from llmgw_agent.config import AgentConfig, SimulatedGpus
 
 __all__ = [
     "GpuSource",

@@ -1,11 +1,19 @@
 """The agent's one outbound stream to the control plane (AgentService/Connect).
 
-The agent dials, sends Register (inventory, labels, every running shard), waits
+The agent dials, sends Register (inventory, labels, engines, every running shard), waits
 for RegisterAck, then heartbeats at the interval the ack gives while it answers
 commands. Status changes and command results go through an :class:`Outbox` that
 outlives any one stream, so what happened while the control plane was away is
 delivered after the next Register. It reconnects forever with full-jitter
 backoff, reset once a stream has stayed up a while.
+
+High availability: ``control.addresses`` are tried in turn; a standby answers
+UNAVAILABLE with the leader's address in the trailing metadata ``llmgw-leader``, and
+the agent dials that next. Fencing: every RegisterAck and command carries the leader's
+epoch; a command older than the newest epoch seen is refused (CommandResult ok=false),
+never acted on, so a deposed leader with a stream still open cannot start or stop
+anything. A PERMISSION_DENIED (a certificate for another node) is logged once, clearly,
+and retried at the longest backoff.
 """
 
 from __future__ import annotations
@@ -23,11 +31,12 @@ import grpclib.const
 import structlog
 from grpclib.client import Channel, Stream
 from grpclib.config import Configuration
+from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
+from llmgw_proto.addr import parse_hostport
 from llmgw_proto.backoff import Backoff
 from llmgw_proto.tls import CertReloader
 
-from llmgw_agent.adapters import split_host_port
 from llmgw_agent.config import AgentConfig
 
 __all__ = ["CONNECT", "CommandHandler", "ControlLink", "Outbox"]
@@ -102,6 +111,31 @@ class RegisterRefused(Exception):
     """The control plane answered Register with something other than RegisterAck."""
 
 
+LEADER_METADATA = "llmgw-leader"
+
+
+def _leader_named(stream: AgentStream) -> str:
+    """The ``llmgw-leader`` a standby put in its trailers-only answer, or ""."""
+    for metadata in (stream.trailing_metadata, stream.initial_metadata):
+        if metadata is not None and metadata.get(LEADER_METADATA):
+            return str(metadata[LEADER_METADATA])
+    # A standby ends the call before the agent's Register is sent; grpclib then raises
+    # the status from the raw headers without decoding their metadata: read them here.
+    raw = getattr(getattr(stream, "_stream", None), "headers", None) or []
+    for name, value in raw:
+        if (name.decode() if isinstance(name, bytes) else name) == LEADER_METADATA:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
+
+
+class LeaderElsewhere(Exception):
+    """A standby refused the stream and named the leader."""
+
+    def __init__(self, leader: str, error: GRPCError) -> None:
+        super().__init__(f"{error.message or error.status.name}; the leader is {leader}")
+        self.leader = leader
+
+
 @dataclass
 class ControlLink:
     config: AgentConfig
@@ -120,11 +154,32 @@ class ControlLink:
     # Each reconnect delay drawn, for logs and tests.
     delays: list[float] = field(default_factory=list)
     heartbeats_sent: int = 0
+    # The newest leader epoch seen (RegisterAck or command); older commands are refused.
+    epoch: int = 0
+    # How often engines' metrics are read: RegisterAck.load_interval, else agent.yaml.
+    load_interval: float = 0.0
+    # The address of the current (or last) stream.
+    address: str = ""
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
+    _addresses: list[str] = field(default_factory=list)
+    _next: int = 0
+    _leader: str = ""
+    _denied_logged: bool = False
 
     def __post_init__(self) -> None:
         if self.backoff is None:
             self.backoff = Backoff(self.config.base_backoff, self.config.max_backoff)
+        self._addresses = self.config.control_addresses()
+        self.load_interval = self.load_interval or self.config.load_interval
+
+    def _target(self) -> str:
+        """The leader a standby named, else the next configured address in turn."""
+        if self._leader:
+            leader, self._leader = self._leader, ""
+            return leader
+        address = self._addresses[self._next % len(self._addresses)]
+        self._next += 1
+        return address
 
     async def run(self) -> None:
         """Connect, serve the stream, reconnect: forever (until cancelled)."""
@@ -132,24 +187,56 @@ class ControlLink:
         loop = asyncio.get_running_loop()
         while not self._closing.is_set():
             up_since: list[float] = []
+            delay: float | None = None
+            self.address = self._target()
             try:
                 await self._session(up_since)
-                log.warning("control plane closed the stream", address=self.config.control.address)
+                log.warning("control plane closed the stream", address=self.address)
             except asyncio.CancelledError:
                 raise
+            except LeaderElsewhere as err:
+                log.info("control plane is a standby", address=self.address, leader=err.leader)
+                self._leader = err.leader
+                delay = self.config.base_backoff  # go to the leader without the long wait
+            except GRPCError as err:
+                if err.status == grpclib.const.Status.PERMISSION_DENIED:
+                    # Retrying fast cannot help: the certificate is for another node.
+                    if not self._denied_logged:
+                        log.error(
+                            "the control plane refused this node: PERMISSION_DENIED; check "
+                            "node_id in agent.yaml against the name in control.tls.cert; "
+                            "retrying every max_backoff",
+                            address=self.address,
+                            node=self.config.node_name,
+                            reason=err.message or "",
+                        )
+                        self._denied_logged = True
+                    delay = self.config.max_backoff
+                else:
+                    log.warning(
+                        "stream to the control plane failed",
+                        address=self.address,
+                        error=f"{err.status.name}: {err.message or ''}",
+                    )
             except Exception as err:
                 log.warning(
                     "stream to the control plane failed",
-                    address=self.config.control.address,
+                    address=self.address,
                     error=f"{type(err).__name__}: {err}",
                 )
             finally:
                 self.connected.clear()
             if self._closing.is_set():
                 return
+            if up_since:
+                self._denied_logged = False
             if up_since and loop.time() - up_since[0] >= self.config.stable_after:
                 self.backoff.reset()
-            delay = self.backoff.next()
+            if delay is None:
+                if self._next % len(self._addresses) and not up_since:
+                    delay = 0.0  # another configured address to try before backing off
+                else:
+                    delay = self.backoff.next()
             self.delays.append(delay)
             log.info("reconnecting", delay=round(delay, 3), attempt=self.backoff.attempt)
             await asyncio.sleep(delay)
@@ -171,7 +258,7 @@ class ControlLink:
     async def _session(self, up_since: list[float]) -> None:
         if self.reloader is not None:
             self.reloader.check()
-        host, port = split_host_port(self.config.control.address)
+        host, port = parse_hostport(self.address)
         channel = Channel(
             host,
             port,
@@ -183,6 +270,7 @@ class ControlLink:
                 _keepalive_permit_without_calls=True,
             ),
         )
+        opened: list[AgentStream] = []
         try:
             async with channel.request(
                 CONNECT,
@@ -190,7 +278,14 @@ class ControlLink:
                 v1.AgentMessage,
                 v1.ControlMessage,
             ) as stream:
+                opened.append(stream)
                 await self._serve(stream, up_since)
+        except GRPCError as err:
+            # A standby ends the call at once; its status arrives when the call closes.
+            leader = _leader_named(opened[0]) if opened else ""
+            if err.status == grpclib.const.Status.UNAVAILABLE and leader:
+                raise LeaderElsewhere(str(leader), err) from None
+            raise
         finally:
             channel.close()
 
@@ -203,6 +298,14 @@ class ControlLink:
         if first is None or first.register_ack is None:
             raise RegisterRefused(f"expected RegisterAck, got {first!r}")
         ack = first.register_ack
+        if ack.epoch < self.epoch:
+            raise RegisterRefused(
+                f"RegisterAck from epoch {ack.epoch}, older than epoch {self.epoch} "
+                "already seen: a deposed leader"
+            )
+        self.epoch = ack.epoch
+        if ack.load_interval is not None and ack.load_interval.total_seconds() > 0:
+            self.load_interval = ack.load_interval.total_seconds()
         interval = (
             ack.heartbeat_interval.total_seconds() if ack.heartbeat_interval else DEFAULT_HEARTBEAT
         ) or DEFAULT_HEARTBEAT
@@ -213,6 +316,8 @@ class ControlLink:
         log.info(
             "registered with the control plane",
             session=ack.session_id,
+            address=self.address,
+            epoch=ack.epoch,
             heartbeat_interval=interval,
             shards=len(register.shards),
             queued=len(self.outbox),
@@ -266,18 +371,30 @@ class ControlLink:
             if result is not None:
                 self.outbox.put(v1.AgentMessage(command_result=result))
 
+    def _fenced(self, command_id: str, epoch: int) -> v1.CommandResult | None:
+        """A refusal when ``epoch`` is older than the newest seen; otherwise None."""
+        if epoch < self.epoch:
+            reason = (
+                f"refused: command from leader epoch {epoch}, older than epoch "
+                f"{self.epoch} already seen (a deposed leader)"
+            )
+            log.warning("fenced command", command=command_id, epoch=epoch, newest=self.epoch)
+            return v1.CommandResult(command_id=command_id, ok=False, error=reason)
+        self.epoch = epoch
+        return None
+
     def _dispatch(self, message: v1.ControlMessage) -> v1.CommandResult | None:
         if message.start_shard is not None:
             start = message.start_shard
             log.info("command: start", command=start.command_id, shard=start.shard_id)
-            return self.handler.start(start)
+            return self._fenced(start.command_id, start.epoch) or self.handler.start(start)
         if message.stop_shard is not None:
             stop = message.stop_shard
             log.info("command: stop", command=stop.command_id, shard=stop.shard_id)
-            return self.handler.stop(stop)
+            return self._fenced(stop.command_id, stop.epoch) or self.handler.stop(stop)
         if message.drain_shard is not None:
             drain = message.drain_shard
             log.info("command: drain", command=drain.command_id, shard=drain.shard_id)
-            return self.handler.drain(drain)
+            return self._fenced(drain.command_id, drain.epoch) or self.handler.drain(drain)
         log.warning("ignoring unexpected message from the control plane", message=repr(message))
         return None

@@ -27,6 +27,7 @@ from llmgw_agent.adapters import Adapter, adapter_for
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engines import InstalledEngine, load_engine
 from llmgw_agent.health import health_status, running_requests
+from llmgw_agent.load import LoadSource
 from llmgw_agent.output import OutputFollower, file_tail
 from llmgw_agent.plan import Plan, Refused, plan
 from llmgw_agent.procs import (
@@ -209,6 +210,20 @@ class Supervisor:
                 )
             )
         return out
+
+    def load_sources(self) -> list[LoadSource]:
+        """The engines whose load is worth reading: serving ones, with HTTP of their own."""
+        return [
+            LoadSource(
+                shard_id=e.shard_id,
+                metrics_url=e.record.launch.metrics_url,
+                metrics=e.adapter.load,
+                # The launch time (ms): a restarted engine is a new generation.
+                generation=int(e.record.started_at * 1000),
+            )
+            for e in self.engines.values()
+            if e.state in (S.READY, S.DRAINING) and not e.record.launch.headless
+        ]
 
     def output_tail(self, shard_id: str) -> str:
         engine = self.engines.get(shard_id)

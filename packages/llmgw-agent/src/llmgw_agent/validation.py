@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw_proto import v1
+from llmgw_proto.addr import parse_hostport
 
-from llmgw_agent.adapters import Adapter, split_host_port
+from llmgw_agent.adapters import Adapter
 from llmgw_agent.engine_flags import ParsedArgs
 from llmgw_agent.engines import InstalledEngine
 from llmgw_agent.weights import memory_problems
@@ -199,7 +200,7 @@ def _check_multi_node(start: v1.StartShard, adapter: Adapter) -> list[str]:
     if multi.rank >= multi.size:
         problems.append(f"multi_node.rank {multi.rank} is not below multi_node.size {multi.size}")
     try:
-        split_host_port(multi.leader_address)
+        parse_hostport(multi.leader_address)
     except ValueError as err:
         problems.append(f"multi_node.leader_address: {err}")
     return problems

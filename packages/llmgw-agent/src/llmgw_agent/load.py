@@ -1,0 +1,190 @@
+"""Load reports: each local engine's own figures, read from its metrics, sent up on change.
+
+Every ``interval`` (RegisterAck.load_interval, else agent.yaml's ``load_interval``,
+250 ms by default) the agent reads the Prometheus metrics of each READY or DRAINING
+engine on loopback: running and waiting requests, KV-cache use and prefix-cache
+lookups and hits, under each engine's own names (:class:`llmgw_agent.adapters.LoadMetrics`).
+Only engines whose figures changed go up, batched into one LoadReport per round; an
+engine whose metrics cannot be read is reported once as ``known=false``. ``generation``
+is the engine process's launch time in milliseconds: it changes when the engine is
+restarted (its cache starts empty) and survives an agent restart (it is in the record).
+Reports are sent only while the stream is up; a new stream starts with every engine's
+figures again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+from llmgw_proto import v1
+
+from llmgw_agent.adapters import LoadMetrics
+from llmgw_agent.probe import http_get
+
+__all__ = ["LoadReporter", "LoadSource", "engine_load", "metric_values"]
+
+log = structlog.get_logger(__name__)
+
+
+def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
+    """The sum of every sample of each metric in ``names`` (counters also as ``NAME_total``).
+
+    One pass over the exposition text; samples of other metrics are skipped, and so are
+    lines that do not parse (comments, NaN).
+    """
+    wanted: dict[str, str] = {}
+    for name in names:
+        if name:
+            wanted[name] = name
+            wanted.setdefault(name + "_total", name)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = len(line)
+        for stop in ("{", " ", "\t"):
+            at = line.find(stop)
+            if 0 < at < end:
+                end = at
+        key = wanted.get(line[:end])
+        if key is None:
+            continue
+        rest = line[end:]
+        if rest.startswith("{"):
+            close = rest.rfind("}")
+            rest = rest[close + 1 :] if close >= 0 else ""
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def engine_load(
+    text: str, metrics: LoadMetrics, *, shard_id: str, generation: int
+) -> v1.EngineLoad:
+    """One engine's load from its metrics text; ``known`` is False without a running count."""
+    names = (
+        metrics.running,
+        metrics.waiting,
+        metrics.kv_cache_usage,
+        metrics.prefix_queries,
+        metrics.prefix_hits,
+    )
+    values = metric_values(text, names)
+    if metrics.running not in values:
+        return v1.EngineLoad(shard_id=shard_id, known=False, generation=generation)
+    kv = values.get(metrics.kv_cache_usage, 0.0)
+    return v1.EngineLoad(
+        shard_id=shard_id,
+        known=True,
+        running=max(0, round(values.get(metrics.running, 0.0))),
+        waiting=max(0, round(values.get(metrics.waiting, 0.0))),
+        kv_cache_usage=min(1.0, max(0.0, kv)),
+        prefix_cache_queries=max(0, round(values.get(metrics.prefix_queries, 0.0))),
+        prefix_cache_hits=max(0, round(values.get(metrics.prefix_hits, 0.0))),
+        generation=generation,
+    )
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """One engine to read: where its metrics are and what they are called."""
+
+    shard_id: str
+    metrics_url: str
+    metrics: LoadMetrics
+    generation: int
+
+
+def _key(load: v1.EngineLoad) -> tuple[object, ...]:
+    return (
+        load.known,
+        load.running,
+        load.waiting,
+        round(load.kv_cache_usage, 4),
+        load.prefix_cache_queries,
+        load.prefix_cache_hits,
+        load.generation,
+    )
+
+
+class LoadReporter:
+    """Reads the engines each interval and puts changed figures into ``send``."""
+
+    def __init__(
+        self,
+        sources: Callable[[], list[LoadSource]],
+        send: Callable[[v1.LoadReport], None],
+        *,
+        interval: Callable[[], float],
+        session: Callable[[], int],
+    ) -> None:
+        self.sources = sources
+        self.send = send
+        self.interval = interval
+        # A number that changes with each new stream (and is 0 while none is up).
+        self.session = session
+        self._sent: dict[str, tuple[object, ...]] = {}
+        self._session = 0
+        self.reports = 0
+
+    async def read(self, source: LoadSource) -> v1.EngineLoad:
+        timeout = max(0.5, 2 * self.interval())
+        try:
+            status, body = await http_get(source.metrics_url, timeout=timeout)
+        except (OSError, TimeoutError):
+            status, body = 0, b""
+        if status != 200:
+            return v1.EngineLoad(
+                shard_id=source.shard_id, known=False, generation=source.generation
+            )
+        return engine_load(
+            body.decode(errors="replace"),
+            source.metrics,
+            shard_id=source.shard_id,
+            generation=source.generation,
+        )
+
+    async def round(self) -> v1.LoadReport | None:
+        """Read every engine once; the report of what changed (None: nothing, or no stream)."""
+        session = self.session()
+        if session == 0:
+            return None
+        if session != self._session:
+            self._session = session
+            self._sent.clear()  # a new stream: the control plane gets everything again
+        sources = self.sources()
+        loads = await asyncio.gather(*(self.read(s) for s in sources))
+        live = {s.shard_id for s in sources}
+        for gone in set(self._sent) - live:
+            del self._sent[gone]
+        changed = [load for load in loads if self._sent.get(load.shard_id) != _key(load)]
+        if not changed:
+            return None
+        for load in changed:
+            self._sent[load.shard_id] = _key(load)
+        report = v1.LoadReport(engines=changed, time=datetime.datetime.now(datetime.UTC))
+        self.send(report)
+        self.reports += 1
+        return report
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            try:
+                await self.round()
+            except Exception as err:  # a bug here must not stop the agent's other work
+                log.warning("load report round failed", error=f"{type(err).__name__}: {err}")
+            await asyncio.sleep(max(0.01, self.interval() - (loop.time() - began)))

@@ -1,0 +1,92 @@
+"""The engines installed: version and flags read from the engine itself, cached."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from llmgw_agent.engines import load_engine, parse_version
+from llmgw_proto import v1
+
+# An engine that answers --version and --help as vLLM does (argparse help), and counts
+# how often its help was asked for.
+ENGINE = textwrap.dedent(
+    """
+    import argparse, sys
+    args = sys.argv[1:]
+    if args == ["--version"]:
+        print("INFO some log line"); print("0.32.0"); sys.exit(0)
+    if args[:2] == ["serve", "--help=all"]:
+        with open(sys.argv[0] + ".count", "a") as f:
+            f.write("x")
+        p = argparse.ArgumentParser(prog="vllm serve")
+        p.add_argument("--max-model-len")
+        p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction)
+        p.add_argument("--port")
+        p.print_help(); sys.exit(0)
+    sys.exit(3)
+    """
+)
+
+
+def engine(tmp_path: Path, code: str = ENGINE) -> list[str]:
+    script = tmp_path / "engine.py"
+    script.write_text(code)
+    return [sys.executable, str(script)]
+
+
+def test_flags_and_version_read_from_the_engine_and_cached(tmp_path: Path) -> None:
+    command = engine(tmp_path)
+    state = tmp_path / "state"
+    first = load_engine("vllm", command, "", state)
+    assert first.error == ""
+    assert first.version == "0.32.0"
+    assert first.spec is not None
+    assert first.spec.accepts("--no-enforce-eager")
+    assert not first.spec.accepts("--swap-space")
+    info = first.info()
+    assert info.kind == v1.EngineKind.VLLM
+    assert info.executable == sys.executable
+    # Read once per executable and version: the second agent start uses the cache.
+    second = load_engine("vllm", command, "", state)
+    assert second.spec == first.spec
+    assert (tmp_path / "engine.py.count").read_text() == "x"
+    assert len(list((state / "engine-help").glob("vllm-0.32.0-*.txt"))) == 1
+
+
+def test_an_engine_whose_help_cannot_be_read_is_reported(tmp_path: Path) -> None:
+    broken = engine(tmp_path, "import sys\nprint('0.1.0') if '--version' in sys.argv else 0\n"
+                              "sys.exit(0 if '--version' in sys.argv else 1)\n")  # fmt: skip
+    found = load_engine("vllm", broken, "", tmp_path / "state")
+    assert found.spec is None
+    assert found.version == "0.1.0"
+    assert "serve --help=all` exited 1" in found.error
+    missing = load_engine("llamacpp", ["no-such-llama-server"], "", tmp_path / "state")
+    assert missing.error == "engine executable 'no-such-llama-server' not found on PATH"
+    assert missing.info().error == missing.error
+
+
+def test_flags_from_captured_or_a_file(tmp_path: Path) -> None:
+    captured = load_engine("llamacpp", ["llama-server"], "captured", tmp_path)
+    assert (captured.version, captured.error) == ("b11434", "")
+    assert (
+        "flags_from 'captured:9.9'" in load_engine("vllm", ["vllm"], "captured:9.9", tmp_path).error
+    )
+    saved = tmp_path / "help.txt"
+    saved.write_text("usage: x\n\noptions:\n  --tp-size TP_SIZE\n")
+    from_file = load_engine(
+        "sglang", ["python", "-m", "sglang.launch_server"], str(saved), tmp_path
+    )
+    assert from_file.spec is not None
+    assert from_file.spec.takes_value("--tp-size")
+    gone = load_engine("sglang", ["x"], str(tmp_path / "nope"), tmp_path)
+    assert gone.error.startswith(f"flags_from '{tmp_path / 'nope'}': ")
+    assert gone.spec is None
+
+
+def test_parse_version() -> None:
+    assert parse_version("vllm", "WARNING torch\n0.32.0\n") == "0.32.0"
+    assert parse_version("sglang", "0.5.23\n") == "0.5.23"
+    assert parse_version("llamacpp", "version: 11434 (a1b2c3)\nbuilt with cc\n") == "b11434"
+    assert parse_version("vllm", "usage: error\n") == ""
