@@ -43,6 +43,11 @@ def main() -> None:
 @click.option(
     "--insecure", is_flag=True, help="Plaintext gRPC to the control plane (logs a warning)."
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 1024),
+    help="Router processes sharing the port (overrides `workers`; default: one per core).",
+)
 @log_options
 def serve(
     config_path: Path | None,
@@ -50,6 +55,7 @@ def serve(
     admin_listen: str | None,
     endpoint_flags: tuple[str, ...],
     insecure: bool,
+    workers: int | None,
 ) -> None:
     """Serve the OpenAI API and proxy each request to an engine replica."""
     cfg = load_config_or_exit(config_path, RouterConfig) if config_path else RouterConfig()
@@ -67,6 +73,8 @@ def serve(
         overrides["admin_listen"] = admin_listen
     if extra:
         overrides["endpoints"] = [*cfg.endpoints, *extra]
+    if workers is not None:
+        overrides["workers"] = workers
     cfg = msgspec.structs.replace(cfg, **overrides)
     if insecure and cfg.control is not None:
         tls = msgspec.structs.replace(cfg.control.tls, insecure=True)
@@ -109,6 +117,14 @@ def serve(
         )
         for e in cfg.endpoints
     )
-    from llmgw_router.server import run
+    from llmgw_router.workers import run_router
 
-    run(cfg, static, insecure=insecure, api_keys=api_keys)
+    params = click.get_current_context().params
+    run_router(
+        cfg,
+        static,
+        insecure=insecure,
+        api_keys=api_keys,
+        log_level=params.get("log_level", "info"),
+        log_format=params.get("log_format", "auto"),
+    )

@@ -2,7 +2,12 @@
 
 SIGTERM (or SIGINT) first marks the router draining (`/readyz` fails), then the
 proxy server stops accepting and gives in-flight requests `shutdown_grace`
-seconds; the admin server, watcher and health checks stop last.
+seconds; the admin server, watcher and health checks stop last. SIGHUP reads the
+API keys file again (a bad file keeps the keys in use and says why).
+
+As one of several workers (see workers.py) the same router listens on its own
+SO_REUSEPORT socket, serves its admin app on a Unix socket for the supervisor, and
+shares ejections with its peers.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import structlog
 import uvicorn
 
 from llmgw_router.admin import admin_app
-from llmgw_router.config import ApiKey, RouterConfig
+from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys
 from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
+from llmgw_router.framing import OpenAIErrorsProtocol
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
 from llmgw_router.proxy import ProxyApp, RouterState
 from llmgw_router.upstream import Pool
+from llmgw_router.workers import EjectionShare, WorkerContext, reuseport_socket
 
 __all__ = ["run", "serve"]
 
@@ -45,13 +52,15 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _uvicorn(app: Any, address: str, grace: float) -> _Server:
+def _uvicorn(app: Any, address: str, grace: float, *, uds: str | None = None) -> _Server:
     host, port = _split(address)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        http="httptools",
+        uds=uds,
+        # uvicorn's httptools protocol, with framing errors answered in OpenAI shape.
+        http=OpenAIErrorsProtocol,
         lifespan="off",
         access_log=False,
         log_config=None,
@@ -71,6 +80,7 @@ async def serve(
     *,
     insecure: bool = False,
     api_keys: tuple[ApiKey, ...] = (),
+    worker: WorkerContext | None = None,
 ) -> None:
     metrics = Metrics()
     state = RouterState(
@@ -89,6 +99,8 @@ async def serve(
     background: list[asyncio.Task[None]] = []
     if config.health_checks.enabled:
         background.append(asyncio.create_task(HealthChecker(state, session).run()))
+    if worker is not None and worker.workers > 1:
+        background.append(asyncio.create_task(EjectionShare(state, worker).run()))
     if config.control is not None:
         # Imported here: grpclib and the generated messages cost a router with static
         # endpoints nearly half a second of start-up.
@@ -98,7 +110,7 @@ async def serve(
             state,
             config.control,
             insecure=insecure,
-            router_id=config.control.router_id or socket.gethostname(),
+            router_id=_router_id(config.control.router_id or socket.gethostname(), worker),
             static=static,
         )
         if insecure or config.control.tls.insecure:
@@ -111,8 +123,18 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload_keys, proxy, config)
 
-    admin_server = _uvicorn(admin_app(state), config.admin_listen, 1.0)
+    # A worker listens on a socket of its own (SO_REUSEPORT) and serves its admin app to
+    # the supervisor only, on a Unix socket.
+    listen_socket = reuseport_socket(config.listen, listen=True) if worker is not None else None
+    sockets = [listen_socket] if listen_socket is not None else None
+    admin_server = _uvicorn(
+        admin_app(state),
+        config.admin_listen,
+        1.0,
+        uds=worker.admin_socket if worker is not None else None,
+    )
     admin_task = asyncio.create_task(admin_server.serve())
     proxy_task: asyncio.Task[Any]
     proxy_server: _Server | None = None
@@ -122,7 +144,7 @@ async def serve(
         from hypercorn.config import Config as HypercornConfig
 
         hc = HypercornConfig()
-        hc.bind = [config.listen]
+        hc.bind = [f"fd://{listen_socket.fileno()}" if listen_socket else config.listen]
         hc.graceful_timeout = config.shutdown_grace
         hc.accesslog = None
         hc.keep_alive_timeout = 75
@@ -131,9 +153,9 @@ async def serve(
         )
     else:
         proxy_server = _uvicorn(proxy, config.listen, config.shutdown_grace)
-        proxy_task = asyncio.create_task(proxy_server.serve())
+        proxy_task = asyncio.create_task(proxy_server.serve(sockets=sockets))
     log.info(
-        "router starting",
+        "worker starting" if worker is not None else "router starting",
         listen=config.listen,
         admin_listen=config.admin_listen,
         server=config.server,
@@ -165,6 +187,8 @@ async def serve(
     await asyncio.gather(*background, return_exceptions=True)
     await session.close()
     pool.close()
+    if listen_socket is not None:
+        listen_socket.close()
     failed = [
         t for t in (proxy_task, admin_task) if t.done() and not t.cancelled() and t.exception()
     ]
@@ -173,12 +197,32 @@ async def serve(
     log.info("router stopped")
 
 
+def _router_id(base: str, worker: WorkerContext | None) -> str:
+    # Each worker holds its own subscription; the control plane tells them apart.
+    return base if worker is None or worker.workers == 1 else f"{base}/w{worker.index}"
+
+
+def _reload_keys(proxy: ProxyApp, config: RouterConfig) -> None:
+    """SIGHUP: the API keys file again; a file with a problem leaves the keys as they were."""
+    if not config.api_keys_file:
+        log.info("SIGHUP: no api_keys_file to reload")
+        return
+    try:
+        keys = resolve_api_keys(config, "router config")
+    except Exception as err:  # ConfigError, OSError: say it, keep serving
+        log.error("SIGHUP: API keys not reloaded; the old ones stay", error=str(err))
+        return
+    proxy._keys = keys  # the proxy reads its keys per request
+    log.info("SIGHUP: API keys reloaded", keys=len(keys))
+
+
 def run(
     config: RouterConfig,
     static: tuple[EndpointSpec, ...],
     *,
     insecure: bool = False,
     api_keys: tuple[ApiKey, ...] = (),
+    worker: WorkerContext | None = None,
 ) -> None:
     try:
         import uvloop
@@ -187,4 +231,4 @@ def run(
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.Runner()
     with runner:
-        runner.run(serve(config, static, insecure=insecure, api_keys=api_keys))
+        runner.run(serve(config, static, insecure=insecure, api_keys=api_keys, worker=worker))
