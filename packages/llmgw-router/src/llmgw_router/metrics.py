@@ -1,19 +1,173 @@
 """The router's Prometheus metrics, in a registry of its own.
 
+Counters and histograms are this module's own lean collectors rather than
+prometheus-client's: a router process is one thread (one event loop), so they
+need no lock, and a histogram finds its bucket by bisection. prometheus-client's
+`Counter.inc` cost about 3 µs and `Histogram.observe` about 6 µs under load here
+(its lock, its observability checks, a Python loop over the buckets); these cost
+about a tenth of that, and a streamed chunk observes one. The exposition is the
+same. Gauges (set at scrape time) stay prometheus-client's.
+
 Label children are cached: `.labels()` costs more than the observation itself,
 and the hot path asks for the same few label sets over and over.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-__all__ = ["Metrics"]
+__all__ = ["Counter", "Histogram", "Metrics"]
 
 # `*_created` series double the output and no dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        # Per bucket, not cumulative: the last one is +Inf.
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        # The first bound >= amount: Prometheus buckets are `le`.
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+class _Family:
+    """What both lean collectors share: label children, and registration."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self._children[()] = self._new()
+        if registry is not None:
+            registry.register(self)  # type: ignore[arg-type]
+
+    def _new(self) -> Any:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            child = self._children[values] = self._new()
+        return child
+
+    def clear(self) -> None:
+        self._children.clear()
+        if not self.labelnames:
+            self._children[()] = self._new()
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+
+class Counter(_Family):
+    """A counter for one thread: ``.labels(*values).inc(amount)``."""
+
+    def _new(self) -> _CounterChild:
+        return _CounterChild()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._children[()].inc(amount)
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
+        yield family
+
+
+class Histogram(_Family):
+    """A histogram for one thread: ``.labels(*values).observe(amount)``."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        bounds = sorted(float(b) for b in buckets)
+        if not bounds or bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        self.bounds = bounds
+        super().__init__(name, documentation, labelnames, registry=registry)
+
+    def _new(self) -> _HistogramChild:
+        return _HistogramChild(self.bounds)
+
+    def observe(self, amount: float) -> None:
+        self._children[()].observe(amount)
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for values, child in self._children.items():
+            running = 0
+            buckets = []
+            for bound, count in zip(self.bounds, child.counts, strict=True):
+                running += count
+                buckets.append((_le(bound), running))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
+
+
+def _le(bound: float) -> str:
+    # The same spelling as prometheus-client's: "0.005", "1.0", "+Inf".
+    if bound == math.inf:
+        return "+Inf"
+    return repr(float(bound))
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

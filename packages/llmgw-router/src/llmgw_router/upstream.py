@@ -221,6 +221,8 @@ class _HostPool:
         self.keepalive = keepalive
         self.idle: list[_Connection] = []
         self.authority = f"{host}:{port}".encode()
+        # Everything between the path and the content length is the same every time.
+        self.request_line_tail = b" HTTP/1.1\r\nhost: " + self.authority + b"\r\ncontent-length: "
 
     def forget(self, conn: _Connection) -> None:
         if conn in self.idle:
@@ -294,18 +296,12 @@ class Pool:
         connect_timeout: float,
     ) -> Response:
         """Send the request and wait for the response head."""
-        host = self._host(base_url)
-        head = b"".join(
-            [
-                b"POST ",
-                path.encode(),
-                b" HTTP/1.1\r\nhost: ",
-                host.authority,
-                b"\r\ncontent-length: %d\r\n" % len(body),
-                *(name + b": " + value + b"\r\n" for name, value in headers),
-                b"\r\n",
-            ]
-        )
+        host = self._hosts.get(base_url) or self._host(base_url)
+        parts = [b"POST ", path.encode(), host.request_line_tail, b"%d\r\n" % len(body)]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        head = b"".join(parts)
         # A pooled connection the engine closed meanwhile fails before any byte
         # of response: that is not the engine's fault, so try a fresh one.
         while (conn := host.take()) is not None:
@@ -340,7 +336,8 @@ class Pool:
     def _send(conn: _Connection, head: bytes, body: bytes) -> Response:
         response = Response(conn)
         conn.response = response
-        conn.parser = httptools.HttpResponseParser(conn)
+        # One parser per connection: after a complete keep-alive response it reads the
+        # next one (only a connection that ended cleanly comes back from the pool).
         assert conn.transport is not None
         conn.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
