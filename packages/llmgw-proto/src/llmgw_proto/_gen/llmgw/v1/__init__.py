@@ -897,6 +897,12 @@ class StartShard(betterproto2.Message):
     The sending leader's epoch: an agent refuses a command older than the newest it has seen.
     """
 
+    engine_version: "str" = betterproto2.field(17, betterproto2.TYPE_STRING)
+    """
+    The engine versions the profile accepts, e.g. ">=0.30" or ">=0.30,<0.33" (empty: any).
+    The agent compares it with the installed engine's own version before launching.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "StartShard", StartShard)
 
