@@ -12,7 +12,7 @@ from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_flags import captured
 from llmgw_agent.engines import InstalledEngine
 from llmgw_agent.plan import Plan, Refused, plan
-from llmgw_agent.validation import NodeView, Probes
+from llmgw_agent.validation import NodeView, Probes, version_problems
 from llmgw_proto import v1
 from llmgw_proto.config import convert
 
@@ -154,3 +154,30 @@ def test_plan_never_raises(args: list[str]) -> None:
     if isinstance(decided, Refused):
         assert decided.problems
         assert all(p for p in decided.problems)
+
+
+def test_engine_version_requirement(kit: Any) -> None:
+    ok = kit.make_start(engine_version=">=0.30,<0.33")
+    assert isinstance(plan(ok, CONFIG, node(), files({})), Plan)
+    new = kit.make_start(engine_version=">=0.33")
+    decided = plan(new, CONFIG, node(), files({}))
+    assert isinstance(decided, Refused)
+    assert decided.problems == ["engine_version '>=0.33': this node has vllm 0.32.0"]
+    bad = plan(kit.make_start(engine_version="recent"), CONFIG, node(), files({}))
+    assert isinstance(bad, Refused)
+    assert "is not a version or a comparison like >=0.30" in bad.problems[0]
+
+
+@given(
+    st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 5)),
+    st.tuples(st.integers(0, 3), st.integers(0, 40)),
+)
+def test_version_bounds_agree_with_tuple_order(
+    have: tuple[int, int, int], bound: tuple[int, int]
+) -> None:
+    text = ".".join(map(str, have))
+    wanted = ".".join(map(str, bound))
+    at_least = version_problems("vllm", f">={wanted}", text) == []
+    below = version_problems("vllm", f"<{wanted}", text) == []
+    assert at_least == (have >= (*bound, 0))
+    assert at_least != below

@@ -392,3 +392,22 @@ async def test_drain_of_a_loading_engine_stops_it_at_once(
     stopped = await recorder.wait(start.shard_id, S.STOPPED)
     assert stopped.reason.startswith("drained (")
     assert recorder.states(start.shard_id) == [S.VALIDATING, S.STARTING, S.DRAINING, S.STOPPED]
+
+
+async def test_an_engine_unreachable_at_its_endpoint_is_said_loudly(
+    kit: Any, make_config: Callable[..., AgentConfig], recorder: Recorder, reap: list[int]
+) -> None:
+    # The engine binds loopback while the node advertises another address: nobody else
+    # could reach it there. It still runs, but READY says so.
+    sup = make_supervisor(make_config(advertise_host="10.0.0.5"), recorder)
+    port = free_port()
+    start = kit.make_start(port=port)
+    assert sup.start(start).ok
+    ready = await recorder.wait(start.shard_id, S.READY)
+    reap.append(ready.pid)
+    assert ready.endpoint_url == f"http://10.0.0.5:{port}"
+    assert "WARNING: the engine binds 127.0.0.1 (loopback) but is advertised at 10.0.0.5" in (
+        ready.reason
+    )
+    sup.stop(v1.StopShard(command_id="s", shard_id=start.shard_id))
+    await recorder.wait(start.shard_id, S.STOPPED)

@@ -9,7 +9,9 @@ are pure: what they need from the machine (PATH, a port, a file) comes through
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
+import re
 import shutil
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +26,14 @@ from llmgw_agent.engine_flags import ParsedArgs
 from llmgw_agent.engines import InstalledEngine
 from llmgw_agent.weights import memory_problems
 
-__all__ = ["NodeView", "Probes", "looks_like_path", "real_probes", "validate"]
+__all__ = [
+    "NodeView",
+    "Probes",
+    "looks_like_path",
+    "real_probes",
+    "validate",
+    "version_problems",
+]
 
 # The agent owns these: CUDA_VISIBLE_DEVICES comes from gpu_indices.
 _RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -130,6 +139,10 @@ def validate(
     if parsed is None:
         why = installed.error if installed is not None else "its flags were not read"
         problems.append(f"{engine} cannot be used on this node: {why}")
+    if start.engine_version:
+        problems += version_problems(
+            engine, start.engine_version, installed.version if installed else ""
+        )
     if not command or probes.which(command[0]) is None:
         exe = command[0] if command else ""
         problems.append(
@@ -252,3 +265,44 @@ def _check_model(
     return memory_problems(
         start, adapter, parsed, tp * pp, node.gpu_memory, probes.read_text, probes.file_sizes
     )
+
+
+_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<|=)?\s*v?b?(\d+(?:\.\d+)*)\s*$")
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+def version_problems(engine: str, wanted: str, have: str) -> list[str]:
+    """Whether ``have`` satisfies ``wanted`` (">=0.30", ">=0.30,<0.33", "b11434")."""
+    clauses = []
+    for raw in wanted.split(","):
+        match = _CLAUSE.match(raw)
+        if not match:
+            return [
+                f"engine_version {wanted!r}: {raw.strip()!r} is not a version or a comparison "
+                "like >=0.30"
+            ]
+        clauses.append((match.group(1) or "==", _numbers(match.group(2))))
+    if not have:
+        return [f"engine_version {wanted!r}: this node's {engine} version could not be read"]
+    version = _numbers(have)
+
+    def padded(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        width = max(len(a), len(b))  # 0.30 is 0.30.0
+        return a + (0,) * (width - len(a)), b + (0,) * (width - len(b))
+
+    tests = {
+        ">=": lambda a, b: operator.ge(*padded(a, b)),
+        "<=": lambda a, b: operator.le(*padded(a, b)),
+        ">": lambda a, b: operator.gt(*padded(a, b)),
+        "<": lambda a, b: operator.lt(*padded(a, b)),
+        "==": lambda a, b: a[: len(b)] == b,
+        "=": lambda a, b: a[: len(b)] == b,
+        "!=": lambda a, b: a[: len(b)] != b,
+    }
+    for op, bound in clauses:
+        if not tests[op](version, bound):
+            return [f"engine_version {wanted!r}: this node has {engine} {have}"]
+    return []
