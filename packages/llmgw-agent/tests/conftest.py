@@ -229,12 +229,7 @@ def kit() -> Kit:
 
 
 # The fake engine prints no help: its flags are those of the captured real engines.
-# SGLang's capture has not landed yet; its stand-in is argparse help of the old table.
-FLAGS_FROM = {
-    "vllm": "captured:0.32.0",
-    "sglang": str(Path(__file__).parent / "data" / "sglang-interim-help.txt"),
-    "llamacpp": "captured:b11434",
-}
+FLAGS_FROM = {"vllm": "captured:0.32.0", "sglang": "captured:0.5.23", "llamacpp": "captured:b11434"}
 
 
 def agent_yaml(tmp_path: Path, engine: list[str], **extra: Any) -> dict[str, Any]:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,15 +13,13 @@ from llmgw_agent.adapters import (
     build_launch,
     reachability_problem,
 )
-from llmgw_agent.engine_flags import FlagSpec, Option, captured, parse_help
+from llmgw_agent.engine_flags import FlagSpec, Option, captured
 from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport
 
 SPECS = {
     "vllm": captured("vllm", "0.32.0"),
-    "sglang": parse_help(
-        "sglang", (Path(__file__).parent / "data" / "sglang-interim-help.txt").read_text()
-    ),
+    "sglang": captured("sglang", "0.5.23"),
     "llamacpp": captured("llamacpp", "b11434"),
 }
 

@@ -11,16 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_agent.adapters import LLAMACPP, SGLANG, VLLM, Adapter, adapter_for
-from llmgw_agent.engine_flags import captured, parse_help
+from llmgw_agent.engine_flags import captured
 from llmgw_agent.engines import InstalledEngine
 from llmgw_agent.validation import NodeView, Probes, looks_like_path, real_probes, validate
 from llmgw_proto import v1
 
 SPECS = {
     "vllm": captured("vllm", "0.32.0"),
-    "sglang": parse_help(
-        "sglang", (Path(__file__).parent / "data" / "sglang-interim-help.txt").read_text()
-    ),
+    "sglang": captured("sglang", "0.5.23"),
     "llamacpp": captured("llamacpp", "b11434"),
 }
 ENGINES = {k: InstalledEngine(k, k, s.version, s) for k, s in SPECS.items()}
