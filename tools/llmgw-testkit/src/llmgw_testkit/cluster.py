@@ -40,7 +40,7 @@ def vllm_profile(
     *,
     gpus: int = 1,
     nodes: int = 1,
-    replicas: int = 1,
+    replicas: int | dict[str, int] = 1,
     args: Iterable[str] = (),
     env: dict[str, str] | None = None,
     **extra: Any,
