@@ -49,7 +49,7 @@ import msgspec
 import yaml
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_control.catalog import ModelConfig, build_catalog
-from llmgw_control.inventory import Node
+from llmgw_control.inventory import Node, NodeState
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer, commit, place
 from llmgw_control.reconciler import ControlState, Settings, reconcile
 from llmgw_proto import v1
@@ -76,15 +76,25 @@ def get(url: str) -> Any:
 
 
 class ControlProcess:
-    def __init__(self, workdir: Path, agents: int, heartbeat: float, core: int) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        agents: int,
+        heartbeat: float,
+        core: int,
+        name: str = "control",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.grpc_port = free_port()
         self.admin_port = free_port()
         self.core = core
-        self.config = workdir / "control.yaml"
-        self.log = workdir / "control.log"
+        self.config = workdir / f"{name}.yaml"
+        self.log = workdir / f"{name}.log"
         self.config.write_text(
             yaml.safe_dump(
                 {
+                    # The embedded SQLite store, next to the config, unless extra says otherwise.
+                    "state": {"state_dir": str(workdir / f"{name}-state")},
                     "listen": f"127.0.0.1:{self.grpc_port}",
                     "admin_listen": f"127.0.0.1:{self.admin_port}",
                     "tls": {"insecure": True},
@@ -105,12 +115,13 @@ class ControlProcess:
                             },
                         }
                     ],
+                    **(extra or {}),
                 }
             )
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> float:
+    def start(self, wait: str = "/healthz") -> float:
         started = time.monotonic()
         core = self.core
         self.proc = subprocess.Popen(
@@ -124,12 +135,19 @@ class ControlProcess:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
-                if str(get(self.url("/healthz"))).startswith("ok"):
+                if wait == "" or str(get(self.url(wait))):
                     return started
             if self.proc.poll() is not None:
                 raise SystemExit(f"control exited: see {self.log}")
             time.sleep(0.05)
         raise SystemExit("control did not start within 60s")
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no lease handed over."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -181,6 +199,9 @@ class SimAgent:
     counters: Counters
     running: dict[str, v1.RunningShard] = field(default_factory=dict)
     connected: bool = False
+    # Several control planes (HA): tried in turn until one (the leader) takes the stream.
+    ports: list[int] = field(default_factory=list)
+    epoch: int = 0
 
     def register(self) -> v1.AgentMessage:
         return v1.AgentMessage(
@@ -201,8 +222,11 @@ class SimAgent:
 
     async def run(self) -> None:
         backoff = Backoff(0.5, 5.0)
+        turn = 0
         while True:
-            channel = grpclib.client.Channel("127.0.0.1", self.port)
+            port = self.ports[turn % len(self.ports)] if self.ports else self.port
+            turn += 1
+            channel = grpclib.client.Channel("127.0.0.1", port)
             try:
                 await self.session(channel)
                 backoff.reset()
@@ -221,6 +245,7 @@ class SimAgent:
             ack = await stream.recv_message()
             if ack is None or ack.register_ack is None:
                 return
+            self.epoch = ack.register_ack.epoch
             self.connected = True
             lock = asyncio.Lock()
             beats = asyncio.create_task(self.beat(stream, lock))
@@ -294,6 +319,23 @@ class SimAgent:
 _BUCKET = re.compile(r'^llmgw_control_(\w+)_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 _COUNT = re.compile(r"^llmgw_control_heartbeats_total (\S+)$", re.M)
 _RECONCILE = re.compile(r"^llmgw_control_reconcile_seconds_(sum|count) (\S+)$", re.M)
+
+
+_STORE = re.compile(r"^llmgw_control_store_(writes|records_written)_total (\S+)$", re.M)
+_LEADER = re.compile(r"^llmgw_control_leader (\S+)$", re.M)
+
+
+def store_totals(text: str) -> dict[str, float]:
+    """Batches and records the control plane has written to its state store so far."""
+    return {k: float(v) for k, v in _STORE.findall(text)}
+
+
+def store_rates(before: str, after: str, seconds: float) -> tuple[float, float]:
+    b, a = store_totals(before), store_totals(after)
+    return (
+        (a.get("writes", 0) - b.get("writes", 0)) / seconds,
+        (a.get("records_written", 0) - b.get("records_written", 0)) / seconds,
+    )
 
 
 def reconcile_totals(text: str) -> dict[str, float]:
@@ -407,10 +449,14 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
     try:
         control.start()
         t0 = time.monotonic()
+        m0 = await control.metrics()
         tasks = [asyncio.create_task(a.run()) for a in agents]
         await wait_until(control, all_ready(args.agents), "the first placement", args.timeout)
         results["first placement, all READY (s)"] = time.monotonic() - t0
         results["starts sent for the first placement"] = counters.starts
+        batches, records = store_rates(m0, await control.metrics(), time.monotonic() - t0)
+        results["store: batches written per second, first placement"] = batches
+        results["store: records written per second, first placement"] = records
 
         # 1. Heartbeats over a window, after things settled.
         await asyncio.sleep(args.heartbeat * 2)
@@ -449,24 +495,29 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
         results["control's own event-loop lag p99 (ms)"] = (
             quantile(loop_before, loop_after, 0.99) * 1e3
         )
+        batches, records = store_rates(before, after, elapsed)
+        results["store: records written per second, heartbeats only (never written)"] = records
         out, _ = baseline.communicate(timeout=args.window + 30)
         results["baseline: idle asyncio process on that core, loop lag p99 (ms)"] = (
             float(out.strip()) * 1e3
         )
 
-        # 2. Restart: every shard must be adopted, none touched.
+        # 2. Restart: every replica comes back from the store, no shard is touched.
         counters.starts = counters.stops = counters.drains = 0
         control.stop()
         started = control.start()
+        m0 = await control.metrics()
         summary = await wait_until(
             control,
-            lambda s: all_ready(args.agents)(s) and s["adopted"] == args.agents,
+            lambda s: all_ready(args.agents)(s),
             "the reconnect storm to settle",
             args.timeout,
         )
-        results["reconnect storm: restart to all READY and adopted (s)"] = (
-            time.monotonic() - started
-        )
+        storm = time.monotonic() - started
+        results["reconnect storm: restart to all READY, replicas from the store (s)"] = storm
+        batches, records = store_rates(m0, await control.metrics(), storm)
+        results["store: batches written per second, reconnect storm"] = batches
+        results["store: records written per second, reconnect storm"] = records
         # Past the startup grace, a few passes more: anything control would send, it has.
         grace_end = started + 10.0 + 3.0
         await asyncio.sleep(max(grace_end - time.monotonic(), 0.0))
@@ -476,7 +527,7 @@ async def fleet_phases(args: argparse.Namespace, workdir: Path) -> dict[str, flo
             "three more passes",
             args.timeout,
         )
-        results["commands sent to adopted shards after restart"] = (
+        results["commands sent to running shards after restart"] = (
             counters.starts + counters.stops + counters.drains
         )
     finally:
@@ -495,7 +546,7 @@ def placement_phase(replicas: int, nodes: int, repeats: int) -> dict[str, float]
         return [
             NodeView(
                 f"node-{i:05d}",
-                "READY",
+                NodeState.READY,
                 tuple(GpuSlot(g, "NVIDIA H100 80GB HBM3", 80 * GiB) for g in range(8)),
                 {"fabric.nvlink-domain": f"nvl-{i // 8}"},
                 "10.0.0.1",
@@ -562,9 +613,98 @@ def placement_phase(replicas: int, nodes: int, repeats: int) -> dict[str, float]
 
 TARGETS = {
     "heartbeat lag p99 (ms)": 50.0,
-    "reconnect storm: restart to all READY and adopted (s)": 30.0,
-    "commands sent to adopted shards after restart": 0.0,
+    "reconnect storm: restart to all READY, replicas from the store (s)": 30.0,
+    "commands sent to running shards after restart": 0.0,
+    "store: records written per second, heartbeats only (never written)": 0.0,
+    "failover: a standby leads after SIGKILL of the leader (s)": 10.0,
+    "failover: commands sent to running shards": 0.0,
 }
+
+
+async def leads(control: ControlProcess) -> bool:
+    with contextlib.suppress(OSError):
+        match = _LEADER.search(await control.metrics())
+        return match is not None and float(match.group(1)) == 1
+    return False
+
+
+async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """Two HA instances on a real etcd (or PostgreSQL); SIGKILL the leader with N agents."""
+    from llmgw_testkit.servers import Etcd, Postgres
+
+    server: Etcd | Postgres
+    if args.failover == "etcd":
+        server = Etcd(workdir / "etcd")
+        state: dict[str, Any] = {"backend": "etcd", "etcd": {"endpoints": [server.endpoint]}}
+    else:
+        server = Postgres(workdir / "pg")
+        state = {"backend": "postgres", "postgres": {"dsn": server.dsn}}
+    results: dict[str, float] = {}
+    instances = []
+    for name in ("a", "b"):
+        instances.append(
+            ControlProcess(
+                workdir, args.agents, args.heartbeat, args.control_core, name=name,
+                extra={"state": state, "ha": {"backend": args.failover, "instance_id": name,
+                                               "lease_ttl": f"{args.lease}s"}},
+            )
+        )  # fmt: skip
+    a, b = instances
+    for each in instances:
+        each_extra = yaml.safe_load(each.config.read_text())
+        each_extra["ha"]["advertise"] = f"127.0.0.1:{each.grpc_port}"
+        each.config.write_text(yaml.safe_dump(each_extra))
+    counters = Counters()
+    agents = [
+        SimAgent(
+            f"node-{i:05d}", f"127.0.{i // 250}.{i % 250 + 1}", a.grpc_port, args.heartbeat,
+            counters, ports=[a.grpc_port, b.grpc_port],
+        )
+        for i in range(args.agents)
+    ]  # fmt: skip
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        a.start(wait="/metrics")
+        deadline = time.monotonic() + 60
+        while not await leads(a):
+            if time.monotonic() > deadline:
+                raise SystemExit("instance a did not lead")
+            await asyncio.sleep(0.2)
+        b.start(wait="/metrics")
+        tasks = [asyncio.create_task(x.run()) for x in agents]
+        await wait_until(a, all_ready(args.agents), "all READY under a", args.timeout)
+        await asyncio.sleep(args.heartbeat * 2)
+        counters.starts = counters.stops = counters.drains = 0
+        epoch_a = max(x.epoch for x in agents)
+        a.kill()
+        killed = time.monotonic()
+        while not await leads(b):
+            if time.monotonic() - killed > args.timeout:
+                raise SystemExit("b did not lead")
+            await asyncio.sleep(0.05)
+        results["failover: a standby leads after SIGKILL of the leader (s)"] = (
+            time.monotonic() - killed
+        )
+        await wait_until(b, all_ready(args.agents), "all READY under b", args.timeout)
+        results[f"failover: all {args.agents} agents READY under the new leader (s)"] = (
+            time.monotonic() - killed
+        )
+        summary = await b.summary()
+        await wait_until(
+            b, lambda s: s["reconciles"] >= summary["reconciles"] + 3, "passes", args.timeout
+        )
+        results["failover: commands sent to running shards"] = (
+            counters.starts + counters.stops + counters.drains
+        )
+        results["failover: agents on a newer epoch"] = sum(x.epoch > epoch_a for x in agents)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for each in instances:
+            each.stop()
+        server.stop()
+    return results
 
 
 def report(results: dict[str, float]) -> None:
@@ -591,6 +731,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0, help="limit of each phase")
     parser.add_argument("--control-core", type=int, default=0)
     parser.add_argument("--skip-fleet", action="store_true", help="placement only")
+    parser.add_argument(
+        "--failover",
+        choices=["etcd", "postgres", "none"],
+        default="etcd",
+        help="HA failover phase on a real etcd or PostgreSQL started here",
+    )
+    parser.add_argument("--lease", type=float, default=5.0, help="HA lease_ttl, seconds")
+    parser.add_argument("--skip-placement", action="store_true")
     args = parser.parse_args()
 
     cores = os.sched_getaffinity(0)
@@ -613,7 +761,19 @@ def main() -> None:
                     errors = [ln for ln in log.read_text().splitlines() if '"error"' in ln]
                     if errors:
                         print(f"control logged {len(errors)} error(s); first: {errors[0][:300]}")
-    results.update(placement_phase(500, 1000, 3))
+        if args.failover != "none":
+            with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
+                try:
+                    results.update(asyncio.run(failover_phase(args, Path(tmp))))
+                finally:
+                    for name in ("a", "b"):
+                        log = Path(tmp) / f"{name}.log"
+                        if log.exists():
+                            errors = [ln for ln in log.read_text().splitlines() if '"error"' in ln]
+                            if errors:
+                                print(f"{name} logged {len(errors)} error(s): {errors[0][:300]}")
+    if not args.skip_placement:
+        results.update(placement_phase(500, 1000, 3))
     report(results)
 
 
