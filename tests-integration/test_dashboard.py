@@ -7,6 +7,7 @@ found in the dashboard's PromQL must be among what they export.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import urllib.request
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from llmgw_testkit import wait_for
 from llmgw_testkit.cluster import Cluster, vllm_profile
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "llmgw.json"
@@ -121,15 +123,25 @@ def test_every_metric_the_dashboard_queries_is_exported(cluster: Cluster) -> Non
         [
             {"name": "chat", "profiles": {"default": vllm_profile(gpus=1)}},
             {"name": "chat-sg", "profiles": {"default": vllm_profile(gpus=1, engine="sglang")}},
+            # Every request fails: retries, a spent retry budget, upstream errors, ejections.
+            {
+                "name": "flaky",
+                "profiles": {
+                    "default": vllm_profile(gpus=1, replicas=2, env={"LLMGW_SIM_ERROR_RATE": "1"})
+                },
+            },
         ]
     )
-    cluster.start_agent("gpu-a", gpus=2)
-    cluster.start_router()
+    cluster.start_agent("gpu-a", gpus=4)
+    # One retry token and no refill: the first retry is made, the later ones denied.
+    cluster.start_router(retries={"budget_ratio": 0, "budget_min_per_second": 0}, workers=1)
     (vllm,) = cluster.wait_replicas("chat", 1)
     (sglang,) = cluster.wait_replicas("chat-sg", 1)
-    cluster.wait_router_models("chat", "chat-sg")
+    cluster.wait_replicas("flaky", 2)
+    cluster.wait_router_models("chat", "chat-sg", "flaky")
 
-    # Traffic, so labelled series have samples: plain, streamed, and one refused.
+    # Traffic, so every labelled series has samples: the programs export a family once it
+    # has one (the router's worker supervisor sums only what its workers report).
     with httpx.Client(base_url=cluster.router_url, timeout=30) as client:
         for model in ("chat", "chat-sg"):
             body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
@@ -140,17 +152,30 @@ def test_every_metric_the_dashboard_queries_is_exported(cluster: Cluster) -> Non
                 assert resp.status_code == 200
                 resp.read()
         assert client.post("/v1/chat/completions", json={"model": "nope"}).status_code >= 400
+        flaky = {"model": "flaky", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(8):
+            assert client.post("/v1/chat/completions", json=flaky).status_code >= 500
+        # A client that leaves in the middle of a stream.
+        long = {"model": "chat", "stream": True, "max_tokens": 2000, "messages": flaky["messages"]}
+        with client.stream("POST", "/v1/chat/completions", json=long) as resp:
+            assert resp.status_code == 200
+            next(resp.iter_lines())
 
-    pages = {
-        "control plane": cluster.metrics(),
-        "router": get(f"http://127.0.0.1:{cluster.router_admin_port}/metrics"),
-        "vLLM engine": get(f"{vllm['endpoint']}/metrics"),
-        "SGLang engine": get(f"{sglang['endpoint']}/metrics"),
-    }
-    have = set().union(*(exported(text) for text in pages.values()))
-    missing = {name: where for name, where in wanted.items() if name not in have}
-    assert not missing, "the dashboard queries metrics nothing exports: " + ", ".join(
-        f"{name} ({where})" for name, where in sorted(missing.items())
+    def missing() -> dict[str, str]:
+        pages = {
+            "control plane": cluster.metrics(),
+            "router": get(f"http://127.0.0.1:{cluster.router_admin_port}/metrics"),
+            "vLLM engine": get(f"{vllm['endpoint']}/metrics"),
+            "SGLang engine": get(f"{sglang['endpoint']}/metrics"),
+        }
+        have = set().union(*(exported(text) for text in pages.values()))
+        assert "llmgw_router_no_such_metric_total" not in have
+        return {name: where for name, where in wanted.items() if name not in have}
+
+    # The router counts a disconnect when it notices it: wait for that, with a deadline.
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not missing(), timeout=30, interval=0.5, what="every metric")
+    gone = missing()
+    assert not gone, "the dashboard queries metrics nothing exports: " + ", ".join(
+        f"{name} ({where})" for name, where in sorted(gone.items())
     )
-    # And the check can fail: a made-up name is not exported.
-    assert "llmgw_router_no_such_metric_total" not in have
