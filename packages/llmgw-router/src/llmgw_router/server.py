@@ -39,6 +39,63 @@ __all__ = ["run", "serve"]
 log = structlog.get_logger(__name__)
 
 
+class _HeadCork:
+    """A transport that sends a response head together with the body that follows it.
+
+    uvicorn writes `http.response.start` and the first body message as two writes: two
+    system calls and two TCP segments per answer. The head is held until the next write
+    (the proxy sends the first body bytes right after the head, in the same step) or
+    the end of the loop iteration, whichever comes first; every other write goes
+    straight through, so a stream's chunks cost nothing more.
+    """
+
+    __slots__ = ("_head", "_loop", "_transport")
+
+    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(head + data)
+        elif data[:5] == b"HTTP/" and data[-4:] == b"\r\n\r\n":
+            self._head = data
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._head = None
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return bool(self._transport.is_closing())
+
+    def get_write_buffer_size(self) -> int:
+        return int(self._transport.get_write_buffer_size()) + len(self._head or b"")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _Protocol(OpenAIErrorsProtocol):
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(_HeadCork(transport, self.loop))  # type: ignore[arg-type]
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: this module decides when to stop."""
 
@@ -60,7 +117,7 @@ def _uvicorn(app: Any, address: str, grace: float, *, uds: str | None = None) ->
         port=port,
         uds=uds,
         # uvicorn's httptools protocol, with framing errors answered in OpenAI shape.
-        http=OpenAIErrorsProtocol,
+        http=_Protocol,
         lifespan="off",
         access_log=False,
         log_config=None,

@@ -40,8 +40,11 @@ _PAUSE_AT = 1 << 20
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: _HostPool) -> None:
+    def __init__(self, pool: _HostPool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
+        # Kept: on Python 3.11 every asyncio.get_running_loop() is a getpid() system
+        # call, and a stream would make one per chunk.
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -156,7 +159,7 @@ class Response:
             return
         if self._error is not None:
             raise self._error
-        self._head_waiter = asyncio.get_running_loop().create_future()
+        self._head_waiter = self._conn.loop.create_future()
         await self._head_waiter
         if not self.status and self._error is not None:
             raise self._error
@@ -183,7 +186,7 @@ class Response:
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._conn.loop.create_future()
             await self._waiter
 
     async def read(self) -> bytes:
@@ -249,7 +252,7 @@ class _HostPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(
-                lambda: _Connection(self),
+                lambda: _Connection(self, loop),
                 self.host,
                 self.port,
                 ssl=self.tls,

@@ -571,7 +571,11 @@ class Supervisor:
             return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
         async def healthz(request: web.Request) -> web.Response:
+            # Like a single router's: 200 once something serves the port, then while the
+            # supervisor runs (a worker being replaced does not make the router unhealthy).
             up = sum(1 for s in self.slots if s.up and s.proc is not None)
+            if not self.ever_up:
+                return web.json_response({"status": "starting", "workers": up}, status=503)
             return web.json_response({"status": "ok", "workers": up})
 
         async def readyz(request: web.Request) -> web.Response:
