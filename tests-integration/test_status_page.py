@@ -11,6 +11,7 @@ Playwright's Python package; Playwright's own browser download is never used.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -89,17 +90,17 @@ def test_status_page_follows_the_cluster_without_a_reload(
     cluster: Cluster, browser_page: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     page = browser_page
-    cluster.start_control(
-        [
-            # Loads for a few seconds, so the page sees it starting before it is ready.
-            {
-                "name": "chat",
-                "profiles": {"default": vllm_profile(gpus=2, env={"LLMGW_SIM_LOAD_TIME": "4"})},
-            },
-            # Wants more GPUs than any node has: the page explains why it is not placed.
+
+    def models(*args: str) -> list[dict[str, Any]]:
+        # chat loads for a few seconds, so the page sees it starting before it is ready;
+        # huge wants more GPUs than any node has: the page explains why it is not placed.
+        slow = {"LLMGW_SIM_LOAD_TIME": "4"}
+        return [
+            {"name": "chat", "profiles": {"default": vllm_profile(gpus=2, env=slow, args=args)}},
             {"name": "huge", "profiles": {"default": vllm_profile(gpus=8)}},
         ]
-    )
+
+    cluster.start_control(models())
     page.goto(f"http://127.0.0.1:{cluster.admin_port}/?refresh=0.5")
     page.wait_for_selector("#conn.ok", timeout=30_000)
     assert "no agent has registered yet" in page.inner_text("#nodes")
@@ -127,10 +128,25 @@ def test_status_page_follows_the_cluster_without_a_reload(
         timeout=30_000,
     )
     assert "fabric.nvlink-domain=nv-" in node_row.inner_text()
+    # The engines the agent found, with their versions (the simulator's vLLM here).
+    assert re.search(r"vllm \d", node_row.locator("td").nth(5).inner_text())
+    # The engine's live load, as agents report it and routers get it.
+    page.wait_for_selector(f'#load tr[data-key="{replica_id}"]', timeout=30_000)
     # The replica nobody can place says why, in the placer's own words.
     unplaceable = page.locator("#unplaceable").inner_text()
     assert "huge / default" in unplaceable
     assert "of 2 nodes fit" in unplaceable, unplaceable
+
+    # A changed profile rolls: the page shows the rollout while the new replica starts.
+    cluster.write("control.yaml", cluster.control_config(models("--max-model-len", "4096")))
+    assert cluster.control is not None
+    cluster.control.signal(signal.SIGHUP)
+    rollout = page.wait_for_selector('#rollouts tr[data-key="chat"]', timeout=60_000)
+    assert "default" in rollout.inner_text()
+    keep_screenshot(page, tmp_path, "llmgw-status-page-rollout.png", capsys)
+    page.wait_for_selector(
+        f'#replicas tr[data-state="ready"]:not([data-replica-id="{replica_id}"])', timeout=90_000
+    )
 
     agent = cluster.agents[node_id]
     agent.signal(signal.SIGSTOP)  # frozen: stream open, heartbeats stop
