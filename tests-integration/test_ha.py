@@ -26,11 +26,12 @@ from typing import Any
 
 import pytest
 from llmgw_testkit import Proc, free_port, wait_for
-from llmgw_testkit.cluster import Cluster, bin_path, metric_sum
+from llmgw_testkit.cluster import Cluster, bin_path, metric_sum, vllm_profile
 from llmgw_testkit.servers import Etcd, Postgres
-from test_state_restart import MODELS, EndpointWatch, both_ready, router_endpoints, traffic
+from llmgw_testkit.traffic import EndpointWatch, both_ready, router_endpoints, traffic
 
 LEASE = "3s"
+MODELS = [{"name": "chat", "profiles": {"default": vllm_profile(gpus=1, replicas=2)}}]
 
 
 class Proxy:
