@@ -18,6 +18,7 @@ from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport, url_host
 
 from llmgw_agent.engine_flags import ParsedArgs
+from llmgw_agent.kv_events import kv_events_target
 
 __all__ = [
     "ADAPTERS",
@@ -44,6 +45,9 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     headless: bool
     # Non-empty when the engine's bind host cannot be reached at endpoint_url.
     endpoint_warning: str = ""
+    # Where the engine publishes KV-cache events (ZMQ, loopback), when the profile asks.
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,7 @@ def build_launch(
     poll_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind_host, bind_host)
     local = f"http://{url_host(poll_host)}:{start.port}"
     headless = adapter.is_headless(start)
+    kv = kv_events_target(parsed) if adapter.name in ("vllm", "sglang") and not headless else None
     return Launch(
         argv=argv,
         env=env,
@@ -323,4 +328,6 @@ def build_launch(
         endpoint_url="" if headless else f"http://{url_host(endpoint_host)}:{start.port}",
         headless=headless,
         endpoint_warning="" if headless else reachability_problem(bind_host, endpoint_host),
+        kv_events_endpoint=kv[0] if kv else "",
+        kv_events_topic=kv[1] if kv else "",
     )

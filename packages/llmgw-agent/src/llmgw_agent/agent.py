@@ -13,6 +13,7 @@ from llmgw_proto.tls import CertReloader, client_context
 from llmgw_agent import __version__
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.inventory import GpuSource, Nvml, collect_inventory, open_gpus
+from llmgw_agent.kv_events import KvEventsRelay
 from llmgw_agent.load import LoadReporter
 from llmgw_agent.stream import ControlLink, Outbox
 from llmgw_agent.supervisor import Supervisor
@@ -57,6 +58,12 @@ class Agent:
             ssl_context=ssl_context,
             reloader=reloader,
         )
+        self.kv_events = KvEventsRelay(
+            self.supervisor.kv_sources,
+            lambda events: self.outbox.put(v1.AgentMessage(cache_events=events)),
+            interval=lambda: self.link.load_interval,
+            session=lambda: self.link.sessions if self.link.connected.is_set() else 0,
+        )
         self.load = LoadReporter(
             self.supervisor.load_sources,
             lambda report: self.outbox.put(v1.AgentMessage(load_report=report)),
@@ -96,12 +103,14 @@ class Agent:
         )
         link = asyncio.create_task(self.link.run(), name="control link")
         load = asyncio.create_task(self.load.run(), name="load reports")
+        kv = asyncio.create_task(self.kv_events.run(), name="kv events")
         try:
             await stop.wait()
         finally:
-            load.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await load
+            for task in (load, kv):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             stopping = self.config.stop_engines_on_exit
             log.info("agent stopping", stop_engines=stopping, engines=len(self.supervisor.engines))
             await self.supervisor.close(stop_engines=stopping)

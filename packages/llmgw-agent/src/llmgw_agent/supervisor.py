@@ -27,6 +27,7 @@ from llmgw_agent.adapters import Adapter, adapter_for
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engines import InstalledEngine, load_engine
 from llmgw_agent.health import health_status, running_requests
+from llmgw_agent.kv_events import KvSource
 from llmgw_agent.load import LoadSource
 from llmgw_agent.output import OutputFollower, file_tail
 from llmgw_agent.plan import Plan, Refused, plan
@@ -223,6 +224,19 @@ class Supervisor:
             )
             for e in self.engines.values()
             if e.state in (S.READY, S.DRAINING) and not e.record.launch.headless
+        ]
+
+    def kv_sources(self) -> list[KvSource]:
+        """The serving engines that publish KV-cache events."""
+        return [
+            KvSource(
+                shard_id=e.shard_id,
+                endpoint=e.record.launch.kv_events_endpoint,
+                topic=e.record.launch.kv_events_topic,
+                generation=int(e.record.started_at * 1000),
+            )
+            for e in self.engines.values()
+            if e.state in (S.READY, S.DRAINING) and e.record.launch.kv_events_endpoint
         ]
 
     def output_tail(self, shard_id: str) -> str:
