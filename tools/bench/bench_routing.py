@@ -1,0 +1,560 @@
+"""Routing quality: TTFT, throughput and prefix-cache hit rate of balancers on one fleet.
+
+    python tools/bench/bench_routing.py                          # every workload and target
+    python tools/bench/bench_routing.py --workloads a --targets round_robin cache_aware
+    python tools/bench/bench_routing.py --seconds 20 --repeat 2 --json
+
+A fleet of simulated vLLM engines (``llmgw-sim vllm serve`` with the step scheduler:
+a token budget per step, continuous batching, a finite block KV cache with prefix
+caching and LRU eviction) is started as processes, fresh for every run so no run
+inherits another's cache. Each target routes the same open-loop Poisson arrivals of
+streaming chat completions (16 output tokens) for ``--seconds``:
+
+- (a) ``tenants``: 32 tenants, each with its own ~2,000-token system prompt, and a short
+  unique user turn; arrivals at ``--load`` (default 75 %) of the fleet's capacity
+  without cache hits;
+- (b) ``unique``: every prompt its own ~2,000 tokens (nothing to share), same rate;
+- (c) ``hot``: one system prompt for every request, same rate;
+- (d) ``tenants x4``: (a) through 4 llmgw routers at once, requests spread round robin
+  over them (cache_aware only: it is the one meant to agree across routers).
+
+Targets: llmgw-router ``round_robin``, ``least_outstanding`` and ``cache_aware`` (one
+process, ``workers: 1``, static endpoints: without a control plane it balances on its
+own counts, no engine load reports), and the Rust routers from PyPI on the same
+fleet: ``sglang-router`` (``--policy cache_aware``) and ``vllm-router`` (``--policy
+cache_aware``), looked for in ``.cache/bench-routing`` (``uv venv .cache/bench-routing
+&& uv pip install -p .cache/bench-routing/bin/python sglang-router vllm-router``); a
+missing one is skipped. Targets alternate within each workload (and rotate between
+repeats), so a busy neighbour on this shared machine hits all of them alike.
+
+Reported per run: TTFT p50/p90/p99 (client side: request sent to first token), requests
+per second completed, the prefix-cache hit rate (the engines' own
+``vllm:prefix_cache_hits_total`` over ``..._queries_total``), max/mean requests per engine,
+and the router's CPU per request (its process and threads, /proc). The first
+``--warmup`` fraction of arrivals (cold caches) is sent but not counted.
+
+The engines run ``--time-scale`` (default 2) times slower than the simulator's H100-like
+defaults (prefill 20,000 tokens/s, 8 ms steps), so the whole fleet's request rate stays
+low enough that this 2-core shared machine's load generator and routers are not the
+bottleneck; the load generator's own CPU is printed to show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from benchlib import cpu_seconds, serving, use_uvloop
+from llmgw_sim.metrics import parse_prometheus
+from llmgw_testkit import free_port, http_get
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PEERS = ROOT / ".cache" / "bench-routing" / "bin"
+MODEL = "m"
+OUT_TOKENS = 16
+SYSTEM_TOKENS = 2000
+USER_TOKENS = 30
+TENANTS = 32
+LLMGW = ("round_robin", "least_outstanding", "cache_aware")
+PEER_TARGETS = ("sglang-router", "vllm-router")
+WORKLOADS = {"a": "tenants", "b": "unique", "c": "hot", "d": "tenants x4"}
+# --cache-aware-epsilon: the bounded-load slack given to llmgw's cache_aware (router default
+# when empty).
+EPSILON: list[float] = []
+
+
+@dataclass(frozen=True)
+class Fleet:
+    engines: int
+    time_scale: float
+    kv_blocks: int
+    block_size: int = 16
+
+    @property
+    def prefill_rate(self) -> float:
+        return 20_000.0 / self.time_scale
+
+    @property
+    def step_time(self) -> float:
+        return 0.008 * self.time_scale
+
+    @property
+    def decode_seq_time(self) -> float:
+        return 0.0001 * self.time_scale
+
+    def capacity(self, prompt_tokens: int) -> float:
+        """Requests/s the fleet serves when nothing is cached: each request's prefill,
+        its share of the steps' fixed cost and its decodes, engine by engine."""
+        per_request = (
+            prompt_tokens / self.prefill_rate + self.step_time + OUT_TOKENS * self.decode_seq_time
+        )
+        return self.engines / per_request
+
+    def engine_args(self, seed: int) -> list[str]:
+        return [
+            "--served-model-name", MODEL, "--max-model-len", "4096",
+            "--num-gpu-blocks-override", str(self.kv_blocks),
+            "--sim-scheduler", "step", "--sim-seed", str(seed),
+            "--sim-prefill-rate", f"{self.prefill_rate:g}",
+            "--sim-step-time", f"{self.step_time:g}",
+            "--sim-decode-seq-time", f"{self.decode_seq_time:g}",
+        ]  # fmt: skip
+
+
+# ----- workloads -----------------------------------------------------------------------
+
+
+def _words(prefix: str, n: int) -> str:
+    # One simulator token per word ("t3w17" with its leading space).
+    return " ".join(f"{prefix}w{i}" for i in range(n))
+
+
+def request_bodies(workload: str, count: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    systems = [_words(f"t{t}", SYSTEM_TOKENS) for t in range(TENANTS)]
+    out: list[bytes] = []
+    for i in range(count):
+        if workload in ("tenants", "tenants x4"):
+            system = systems[rng.randrange(TENANTS)]
+        elif workload == "hot":
+            system = systems[0]
+        else:
+            system = _words(f"u{seed}r{i}", SYSTEM_TOKENS)
+        user = " ".join(f"q{i}x{rng.randrange(10**6)}" for _ in range(USER_TOKENS))
+        body = {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+            "max_tokens": OUT_TOKENS,
+            "stream": True,
+        }
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def arrival_times(rate: float, seconds: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    t = 0.0
+    out: list[float] = []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        out.append(t)
+
+
+# ----- load ----------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    workload: str
+    target: str
+    rate: float
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    ttft: list[float] = field(default_factory=list)
+    duration: float = 0.0
+    hit_rate: float = 0.0
+    per_engine: list[int] = field(default_factory=list)
+    router_cpu: float = 0.0  # seconds, all router processes, over every request sent
+    all_sent: int = 0  # warm-up included
+    loadgen_cpu: float = 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.ttft:
+            return math.nan
+        data = sorted(self.ttft)
+        return data[min(len(data) - 1, int(q * len(data)))]
+
+    @property
+    def throughput(self) -> float:
+        return self.ok / self.duration if self.duration else 0.0
+
+    @property
+    def max_mean(self) -> float:
+        mean = statistics.fmean(self.per_engine) if self.per_engine else 0.0
+        return max(self.per_engine) / mean if mean else math.nan
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.router_cpu / self.all_sent if self.all_sent else math.nan
+
+    def row(self) -> dict[str, object]:
+        return {
+            "workload": self.workload,
+            "target": self.target,
+            "rate": round(self.rate, 2),
+            "sent": self.sent,
+            "ok": self.ok,
+            "errors": self.errors,
+            "ttft_p50_ms": round(1000 * self.pct(0.5), 1),
+            "ttft_p90_ms": round(1000 * self.pct(0.9), 1),
+            "ttft_p99_ms": round(1000 * self.pct(0.99), 1),
+            "throughput": round(self.throughput, 2),
+            "hit_rate": round(self.hit_rate, 3),
+            "max_mean": round(self.max_mean, 2),
+            "router_cpu_ms_per_req": round(self.cpu_ms_per_request, 2),
+            "loadgen_cpu_share": round(self.loadgen_cpu / self.duration, 2)
+            if self.duration
+            else None,
+        }
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: bytes, at: float, start: float
+) -> float | None:
+    """Send at ``start + at``; the seconds to the first token, None on failure."""
+    delay = start + at - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = time.monotonic()
+    first: float | None = None
+    try:
+        async with session.post(
+            url, data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return None
+            async for line in resp.content:
+                # The first token's chunk (the role chunk before it carries none).
+                if first is None and b'"delta":{"content":' in line:
+                    first = time.monotonic() - sent
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+    return first
+
+
+async def drive(
+    urls: Sequence[str], bodies: Sequence[bytes], times: Sequence[float], warm: int
+) -> tuple[list[float | None], float]:
+    timeout = aiohttp.ClientTimeout(total=120)
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.monotonic() + 0.2
+        tasks = [
+            asyncio.create_task(
+                _one(session, urls[i % len(urls)] + "/v1/chat/completions", b, t, start)
+            )
+            for i, (b, t) in enumerate(zip(bodies, times, strict=True))
+        ]
+        results = await asyncio.gather(*tasks)
+        duration = time.monotonic() - (start + (times[warm] if warm < len(times) else 0))
+    return list(results), duration
+
+
+# ----- processes -----------------------------------------------------------------------
+
+
+def _engine_samples(url: str) -> dict[str, float]:
+    status, body = http_get(url + "/metrics", timeout=10)
+    return parse_prometheus(body.decode()) if status == 200 else {}
+
+
+def _sum(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+@contextlib.contextmanager
+def fleet_up(fleet: Fleet, logs: Path) -> Iterator[list[str]]:
+    with contextlib.ExitStack() as stack:
+        urls: list[str] = []
+        procs = []
+        for i in range(fleet.engines):
+            port = free_port()
+            argv = [str(BIN / "llmgw-sim"), "vllm", "serve", "org/model", "--host",
+                    "127.0.0.1", "--port", str(port), *fleet.engine_args(i)]  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            procs.append((argv, url))
+        for argv, url in procs:
+            stack.enter_context(
+                serving(
+                    argv,
+                    health=url + "/health",
+                    what="llmgw-sim",
+                    log_dir=logs,
+                    name="engine",
+                    env={"CUDA_VISIBLE_DEVICES": "0"},
+                    timeout=60,
+                )
+            )
+            urls.append(url)
+        yield urls
+
+
+@contextlib.contextmanager
+def router_up(
+    target: str, engines: Sequence[str], logs: Path, copies: int = 1
+) -> Iterator[tuple[list[str], list[int]]]:
+    """``copies`` routers of ``target`` in front of ``engines``: (base URLs, pids)."""
+    with contextlib.ExitStack() as stack:
+        urls: list[str] = []
+        pids: list[int] = []
+        for _ in range(copies):
+            port = free_port()
+            if target in LLMGW:
+                admin = free_port()
+                config = logs / f"router-{port}.yaml"
+                config.write_text(
+                    json.dumps(
+                        {
+                            "listen": f"127.0.0.1:{port}",
+                            "admin_listen": f"127.0.0.1:{admin}",
+                            "balancer": target,
+                            "workers": 1,
+                            **(
+                                {"cache_aware": {"epsilon": EPSILON[0]}}
+                                if EPSILON and target == "cache_aware"
+                                else {}
+                            ),
+                            "endpoints": [
+                                {"id": f"e{i}", "url": u, "models": [MODEL]}
+                                for i, u in enumerate(engines)
+                            ],
+                        }
+                    )
+                )
+                argv = [str(BIN / "llmgw-router"), "serve", "--config", str(config),
+                        "--log-level", "warning"]  # fmt: skip
+                health = f"http://127.0.0.1:{admin}/readyz"
+            elif target == "sglang-router":
+                argv = [str(PEERS / "sglang-router"), "launch", "--host", "127.0.0.1",
+                        "--port", str(port), "--worker-urls", *engines,
+                        "--policy", "cache_aware", "--prometheus-port", str(free_port()),
+                        "--log-level", "warn"]  # fmt: skip
+                health = f"http://127.0.0.1:{port}/health"
+            else:
+                argv = [str(PEERS / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                        "--worker-urls", *engines, "--policy", "cache_aware",
+                        "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+                health = f"http://127.0.0.1:{port}/health"
+            proc = stack.enter_context(
+                serving(argv, health=health, what=target, log_dir=logs, name=target, timeout=60)
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+            pids.append(proc.pid)
+        yield urls, pids
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU of a process and its children (llmgw-router may fork workers)."""
+    total = cpu_seconds(pid)
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            total += _tree_cpu(int(child))
+    return total
+
+
+def run_one(
+    fleet: Fleet, workload: str, target: str, args: argparse.Namespace, logs: Path, seed: int
+) -> Result:
+    prompt_tokens = SYSTEM_TOKENS + USER_TOKENS + 8  # + the chat template's tokens
+    rate = args.load * fleet.capacity(prompt_tokens)
+    times = arrival_times(rate, args.seconds, seed)
+    bodies = request_bodies(workload, len(times), seed)
+    warm = int(len(times) * args.warmup)
+    copies = 4 if workload == "tenants x4" else 1
+    result = Result(workload, target, rate)
+    with (
+        fleet_up(fleet, logs) as engines,
+        router_up(target, engines, logs, copies) as (
+            urls,
+            pids,
+        ),
+    ):
+        cpu0 = sum(_tree_cpu(p) for p in pids)
+        me0 = cpu_seconds(os.getpid())
+        # Engine counters after the warm-up arrivals are read by a timer in the loop.
+        marks: dict[str, list[dict[str, float]]] = {"before": []}
+
+        async def main() -> tuple[list[float | None], float]:
+            loop = asyncio.get_running_loop()
+            if warm < len(times):
+                start_at = times[warm] + 0.2
+
+                def mark() -> None:
+                    marks["before"] = [_engine_samples(u) for u in engines]
+
+                # In a thread: the load generator's loop must not wait on the scrape.
+                loop.call_later(start_at, lambda: loop.run_in_executor(None, mark))
+            return await drive(urls, bodies, times, warm)
+
+        results, duration = asyncio.run(main())
+        result.router_cpu = sum(_tree_cpu(p) for p in pids) - cpu0
+        result.loadgen_cpu = cpu_seconds(os.getpid()) - me0
+        after = [_engine_samples(u) for u in engines]
+    before = marks["before"] or [{} for _ in after]
+    counted = results[warm:]
+    result.sent = len(counted)
+    result.ttft = [r for r in counted if r is not None]
+    result.ok = len(result.ttft)
+    result.errors = result.sent - result.ok
+    result.duration = duration
+    queries = sum(
+        _sum(a, "vllm:prefix_cache_queries_total") - _sum(b, "vllm:prefix_cache_queries_total")
+        for a, b in zip(after, before, strict=True)
+    )
+    hits = sum(
+        _sum(a, "vllm:prefix_cache_hits_total") - _sum(b, "vllm:prefix_cache_hits_total")
+        for a, b in zip(after, before, strict=True)
+    )
+    result.hit_rate = hits / queries if queries else 0.0
+    result.per_engine = [
+        int(_sum(a, "vllm:request_success_total") - _sum(b, "vllm:request_success_total"))
+        for a, b in zip(after, before, strict=True)
+    ]
+    result.all_sent = len(times)
+    return result
+
+
+# ----- report --------------------------------------------------------------------------
+
+
+def _fmt(x: float, unit: str = "") -> str:
+    return "-" if math.isnan(x) else f"{x:.0f}{unit}" if abs(x) >= 100 else f"{x:.1f}{unit}"
+
+
+def table(results: Sequence[Result]) -> str:
+    lines = [
+        "| workload | target | req/s offered | TTFT p50 | p90 | p99 | req/s done | hit rate "
+        "| max/mean | router CPU/req | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.workload} | {r.target} | {r.rate:.1f} | {_fmt(1000 * r.pct(0.5), ' ms')} "
+            f"| {_fmt(1000 * r.pct(0.9), ' ms')} | {_fmt(1000 * r.pct(0.99), ' ms')} "
+            f"| {r.throughput:.1f} | {100 * r.hit_rate:.0f} % | {r.max_mean:.2f} "
+            f"| {_fmt(r.cpu_ms_per_request, ' ms')} | {r.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def ratios(results: Sequence[Result]) -> list[str]:
+    def med(workload: str, target: str, key: str) -> float:
+        vals = [
+            getattr(r, key)() if callable(getattr(r, key)) else getattr(r, key)
+            for r in results
+            if r.workload == workload and r.target == target
+        ]
+        return statistics.median(vals) if vals else math.nan
+
+    def p90(workload: str, target: str) -> float:
+        vals = [r.pct(0.9) for r in results if r.workload == workload and r.target == target]
+        return statistics.median(vals) if vals else math.nan
+
+    out = []
+    ca = "cache_aware"
+    for workload, other in (
+        ("tenants", "round_robin"),
+        ("tenants", "sglang-router"),
+        ("tenants", "vllm-router"),
+        ("unique", "least_outstanding"),
+        ("hot", "round_robin"),
+    ):
+        a, b = p90(workload, ca), p90(workload, other)
+        if not (math.isnan(a) or math.isnan(b)):
+            out.append(f"{workload}: TTFT p90 cache_aware / {other} = {a / b:.2f}")
+    one = med("tenants", ca, "hit_rate")
+    four = med("tenants x4", ca, "hit_rate")
+    if not (math.isnan(one) or math.isnan(four)):
+        out.append(
+            f"tenants x4 routers: hit rate {100 * four:.0f} % vs {100 * one:.0f} % through one"
+        )
+    cpu_ca = med("tenants", ca, "cpu_ms_per_request")
+    cpu_lo = med("tenants", "least_outstanding", "cpu_ms_per_request")
+    if not (math.isnan(cpu_ca) or math.isnan(cpu_lo)) and cpu_lo:
+        out.append(
+            f"tenants: router CPU/request cache_aware / least_outstanding = {cpu_ca / cpu_lo:.2f}"
+        )
+    hot = [r for r in results if r.workload == "hot" and r.target == ca]
+    if hot:
+        out.append(f"hot: cache_aware max/mean requests per engine = {hot[0].max_mean:.2f}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=30.0, help="arrivals per run")
+    parser.add_argument("--load", type=float, default=0.75, help="of the no-cache capacity")
+    parser.add_argument("--warmup", type=float, default=0.2, help="share of arrivals not counted")
+    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument(
+        "--kv-blocks", type=int, default=1536, help="per engine (16 tokens each): ~11 prefixes"
+    )
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument(
+        "--targets", nargs="+", default=[*LLMGW, *PEER_TARGETS], choices=[*LLMGW, *PEER_TARGETS]
+    )
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--cache-aware-epsilon",
+        type=float,
+        help="bounded-load epsilon for llmgw's cache_aware (default: the router's own)",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.cache_aware_epsilon is not None:
+        EPSILON.append(args.cache_aware_epsilon)
+    use_uvloop()
+    fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)
+    targets = [t for t in args.targets if t in LLMGW or (PEERS / t).exists()]
+    for t in set(args.targets) - set(targets):
+        print(f"# {t}: not installed under {PEERS}, skipped", file=sys.stderr)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        logs = Path(tmp)
+        for rep in range(args.repeat):
+            for key in args.workloads:
+                workload = WORKLOADS[key]
+                order = ["cache_aware"] if workload == "tenants x4" else targets
+                order = order[rep % len(order) :] + order[: rep % len(order)]
+                for target in order:
+                    seed = args.seed + 1000 * rep + ord(key)
+                    r = run_one(fleet, workload, target, args, logs, seed)
+                    results.append(r)
+                    print(
+                        f"# {workload} {target}: {r.ok}/{r.sent} ok, p90 "
+                        f"{_fmt(1000 * r.pct(0.9), ' ms')}, hit {100 * r.hit_rate:.0f} %, "
+                        f"load generator CPU {r.loadgen_cpu / max(r.duration, 1e-9):.0%} "
+                        "of one core",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    if args.json:
+        print(json.dumps([r.row() for r in results], indent=1))
+    else:
+        print(
+            f"fleet: {fleet.engines} simulated vLLM engines, prefill {fleet.prefill_rate:g} "
+            f"tokens/s, step {1000 * fleet.step_time:g} ms + {1000 * fleet.decode_seq_time:g} "
+            f"ms/sequence, KV {fleet.kv_blocks} blocks x {fleet.block_size}; "
+            f"no-cache capacity {fleet.capacity(SYSTEM_TOKENS + USER_TOKENS + 8):.1f} req/s"
+        )
+        print(table(results))
+        for line in ratios(results):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
