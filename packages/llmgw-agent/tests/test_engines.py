@@ -16,6 +16,8 @@ ENGINE = textwrap.dedent(
     import argparse, sys
     args = sys.argv[1:]
     if args == ["--version"]:
+        with open(sys.argv[0] + ".versions", "a") as f:
+            f.write("x")
         print("INFO some log line"); print("0.32.0"); sys.exit(0)
     if args[:2] == ["serve", "--help=all"]:
         with open(sys.argv[0] + ".count", "a") as f:
@@ -52,6 +54,20 @@ def test_flags_and_version_read_from_the_engine_and_cached(tmp_path: Path) -> No
     second = load_engine("vllm", command, "", state)
     assert second.spec == first.spec
     assert (tmp_path / "engine.py.count").read_text() == "x"
+
+
+def test_an_unchanged_executable_is_not_asked_its_version_again(tmp_path: Path) -> None:
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{sys.executable}\n" + ENGINE)
+    script.chmod(0o755)
+    state = tmp_path / "state"
+    assert load_engine("vllm", [str(script)], "", state).version == "0.32.0"
+    assert load_engine("vllm", [str(script)], "", state).version == "0.32.0"
+    assert (tmp_path / "vllm.versions").read_text() == "x"
+    # A reinstall changes the executable: asked again.
+    script.write_text(f"#!{sys.executable}\n" + ENGINE + "\n# 0.33\n")
+    assert load_engine("vllm", [str(script)], "", state).version == "0.32.0"
+    assert (tmp_path / "vllm.versions").read_text() == "xx"
     assert len(list((state / "engine-help").glob("vllm-0.32.0-*.txt"))) == 1
 
 

@@ -1,9 +1,10 @@
 """The engines installed on this node: kind, version, and the flags each accepts.
 
 Read from the engines themselves: ``--version`` (or the package metadata for
-``python -m sglang.launch_server``) each time the agent starts, and the help text once per
-engine executable and version, cached under ``state_dir/engine-help/`` because vLLM's
-takes tens of seconds to print. An engine whose help cannot be read is kept with its
+``python -m sglang.launch_server``) and the help text, once per engine executable and
+version, cached under ``state_dir/engine-help/`` because vLLM takes a minute to print
+either. An executable whose path, size and modification time are unchanged is taken to be
+the same version without asking it again. An engine whose help cannot be read is kept with its
 error: Register carries it and every profile for it fails validation with that reason.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -97,6 +99,64 @@ def parse_version(kind: str, text: str) -> str:
     return found[-1] if found else ""
 
 
+def _version_key(kind: str, command: Sequence[str], exe: str) -> str | None:
+    """What identifies the engine's version without asking it (vLLM takes a minute to say).
+
+    The executable's path, size and modification time change with every install. Not for
+    ``python -m sglang...``: the interpreter stays when the package changes (its version
+    comes from the package metadata, which is quick to ask anyway).
+    """
+    if _python_module(command):
+        return None
+    parts = [kind]
+    # The executable and any script it runs ([python, /opt/x/bin/vllm]).
+    for word in [exe, *command[1:]]:
+        try:
+            stat = os.stat(word)
+        except OSError:
+            parts.append(word)
+            continue
+        parts.append(f"{os.path.realpath(word)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return " ".join(parts) if parts[1] != exe else None
+
+
+def _versions_file(state_dir: Path) -> Path:
+    return state_dir / "engine-help" / "versions.json"
+
+
+def _cached_version(kind: str, command: Sequence[str], exe: str, state_dir: Path) -> str:
+    key = _version_key(kind, command, exe)
+    if key is None:
+        return ""
+    try:
+        known = json.loads(_versions_file(state_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    value = known.get(key, "") if isinstance(known, dict) else ""
+    return value if isinstance(value, str) else ""
+
+
+def _cache_version(
+    kind: str, command: Sequence[str], exe: str, state_dir: Path, version: str
+) -> None:
+    key = _version_key(kind, command, exe)
+    if key is None:
+        return
+    path = _versions_file(state_dir)
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    known[key] = version
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+
+
 def _executable(command: Sequence[str]) -> str:
     exe = command[0] if command else ""
     if os.sep in exe:
@@ -132,11 +192,15 @@ def load_engine(
             return InstalledEngine(kind, exe, error=f"flags_from {source!r}: {err}")
     if not command or (not (os.sep in exe and os.access(exe, os.X_OK)) and not shutil.which(exe)):
         return InstalledEngine(kind, exe, error=f"engine executable {exe!r} not found on PATH")
-    try:
-        code, out = run(version_argv(kind, command), timeout)
-    except (OSError, subprocess.SubprocessError) as err:
-        code, out = -1, str(err)
-    version = parse_version(kind, out) if code == 0 or kind == "llamacpp" else ""
+    version = _cached_version(kind, command, exe, state_dir)
+    if not version:
+        try:
+            code, out = run(version_argv(kind, command), timeout)
+        except (OSError, subprocess.SubprocessError) as err:
+            code, out = -1, str(err)
+        version = parse_version(kind, out) if code == 0 or kind == "llamacpp" else ""
+        if version:
+            _cache_version(kind, command, exe, state_dir, version)
     if not version:
         # The flags still come from the engine; only the cache needs a version.
         last = out.strip().splitlines()[-1:] or ["no output"]
