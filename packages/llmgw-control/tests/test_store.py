@@ -429,3 +429,124 @@ def test_ha_needs_its_backend_as_the_state_backend(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "$.ha.backend" in done.stderr
     assert "state.backend: etcd" in done.stderr
+
+
+# --- the batching writer --------------------------------------------------------------
+
+
+class MemoryStore:
+    """A store in memory that can be told to fail; counts what it was asked to write."""
+
+    description = "memory store"
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[str, str], bytes] = {}
+        self.batches: list[list[Change]] = []
+        self.fail: StoreError | None = None
+
+    async def open(self) -> None:
+        return None
+
+    async def load(self) -> dict[str, dict[str, bytes]]:
+        out: dict[str, dict[str, bytes]] = {}
+        for (kind, key), value in self.records.items():
+            out.setdefault(kind, {})[key] = value
+        return out
+
+    async def write(self, changes: Any) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.batches.append(list(changes))
+        for c in changes:
+            if c.value is None:
+                self.records.pop((c.kind, c.key), None)
+            else:
+                self.records[(c.kind, c.key)] = c.value
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_persister_batches_skips_unchanged_and_retries() -> None:
+    from llmgw_control.store.persist import Persister
+
+    store = MemoryStore()
+    p = Persister(store, flush_every=0.01)
+    p.seed({"node": {"a": b"1"}})
+    p.stage("node", "a", b"1")  # what the store holds already: nothing to write
+    assert p.pending == 0
+    for i in range(100):
+        p.stage("node", "b", str(i).encode())  # only the last one counts
+    p.stage("replica", "r", b"x")
+    task = asyncio.create_task(p.run())
+    try:
+        await wait_for_async(_async(lambda: p.pending == 0 and store.batches), what="a batch")
+        assert len(store.batches) == 1
+        assert store.records == {("node", "b"): b"99", ("replica", "r"): b"x"}
+        # A failed write keeps what it held; a newer value staged meanwhile wins.
+        store.fail = StoreError("disk full")
+        p.stage("node", "b", b"100")
+        await asyncio.sleep(0.1)
+        p.stage("node", "b", b"101")
+        store.fail = None
+        await wait_for_async(
+            _async(lambda: store.records[("node", "b")] == b"101"), timeout=20, what="retried"
+        )
+        p.stage("replica", "r", None)
+        await wait_for_async(_async(lambda: ("replica", "r") not in store.records), what="delete")
+    finally:
+        task.cancel()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.none() | st.binary(max_size=3)), max_size=30))
+def test_a_batch_writes_the_net_effect(steps: list[tuple[str, bytes | None]]) -> None:
+    from llmgw_control.store.base import group
+
+    net = group([Change("k", key, value) for key, value in steps])
+    last: dict[str, bytes | None] = {}
+    for key, value in steps:
+        last[key] = value
+    assert {key: v for (_, key), v in net.items()} == last
+
+
+class FakeBackend:
+    """A leadership backend whose renewals can be made to fail or hang."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.released = 0
+
+    async def acquire(self) -> int | None:
+        return 7
+
+    async def renew(self) -> bool:
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        return self.mode == "ok"
+
+    async def leader(self) -> tuple[str, str] | None:
+        return None
+
+    async def release(self) -> None:
+        self.released += 1
+
+
+@pytest.mark.parametrize("mode", ["refused", "hang"])
+async def test_a_leader_steps_down_within_its_lease(mode: str) -> None:
+    backend = FakeBackend()
+    w = Watcher()
+    lead = Leadership(backend, ha(1.0), "a", "127.0.0.1:1", w.on_elected, w.on_lost, poll=0.05)
+    task = asyncio.create_task(lead.run())
+    try:
+        await wait_for_async(_async(lambda: w.elected == [7]), what="elected")
+        await asyncio.sleep(0.8)  # a few good renewals
+        assert lead.leading
+        backend.mode = mode
+        await wait_for_async(_async(lambda: w.lost), timeout=10, what="stepped down")
+        # A hanging renewal is given up at the lease's end, not waited for.
+        assert ("no renewal within the lease" in w.lost[0]) == (mode == "hang")
+        assert not lead.leading
+        assert backend.released >= 1
+    finally:
+        task.cancel()
