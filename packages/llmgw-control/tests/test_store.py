@@ -518,7 +518,8 @@ class FakeBackend:
         self.released = 0
 
     async def acquire(self) -> int | None:
-        return 7
+        # Someone else holds the lead once this one's renewals broke.
+        return 7 if self.mode == "ok" else None
 
     async def renew(self) -> bool:
         if self.mode == "hang":
