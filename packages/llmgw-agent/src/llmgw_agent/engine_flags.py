@@ -18,6 +18,7 @@ another name for the last).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -403,7 +404,11 @@ def captured_text(kind: str, version: str | None = None) -> tuple[str, str]:
     return chosen, (folder / files[(name, chosen)]).read_text(encoding="utf-8")
 
 
+@functools.lru_cache(maxsize=16)
 def captured(kind: str, version: str | None = None) -> FlagSpec:
-    """The FlagSpec of a captured version (``captured("vllm", "0.32.0")``); newest if None."""
+    """The FlagSpec of a captured version (``captured("vllm", "0.32.0")``); newest if None.
+
+    Parsed once per process (a FlagSpec is immutable).
+    """
     chosen, text = captured_text(kind, version)
     return parse_help(kind, text, version=chosen)

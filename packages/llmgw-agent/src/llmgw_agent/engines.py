@@ -24,7 +24,7 @@ from pathlib import Path
 import structlog
 from llmgw_proto import v1
 
-from llmgw_agent.engine_flags import FlagSpec, captured_text, parse_help
+from llmgw_agent.engine_flags import FlagSpec, captured, parse_help
 
 __all__ = ["InstalledEngine", "help_argv", "load_engine", "parse_version", "version_argv"]
 
@@ -179,8 +179,8 @@ def load_engine(
     if source.startswith("captured"):
         _, _, wanted = source.partition(":")
         try:
-            version, text = captured_text(kind, wanted or None)
-            return InstalledEngine(kind, exe, version, parse_help(kind, text, version=version))
+            spec = captured(kind, wanted or None)
+            return InstalledEngine(kind, exe, spec.version, spec)
         except (LookupError, ValueError) as err:
             return InstalledEngine(kind, exe, error=f"flags_from {source!r}: {err}")
     if source:
