@@ -1,8 +1,9 @@
-"""llmgw-router against the simulator directly and against the Rust `vllm-router`.
+"""llmgw-router against the simulator directly and against the Rust routers.
 
     python tools/bench/bench_router.py                      # the full table
     python tools/bench/bench_router.py --seconds 2 --rounds 1 --concurrency 1 64
     python tools/bench/bench_router.py --targets direct llmgw llmgw-hypercorn
+    python tools/bench/bench_router.py --workers-run        # workers 1 against 2
 
 One `llmgw-sim vllm serve` with zero simulated delays serves every target, so the
 only difference between rows is the proxy in the path. Routers run pinned to one
@@ -13,12 +14,29 @@ the best round is the least disturbed one.
 
 Cases: non-streaming chat completions (16 tokens), and 100-token streams read to
 `[DONE]`, which the simulator writes token by token (`--stream-itl`, 0.1 ms), so
-each stream is 100 chunks for the proxy to relay. Latency is per request, first byte sent to last byte read; "added" is a
-target's latency minus direct's at the same percentile.
+each stream is 100 chunks for the proxy to relay. Latency is per request, first
+byte sent to last byte read; "added" is a target's latency minus direct's at the
+same percentile.
 
-The peer, `vllm-router`, is looked for at --vllm-router (default
-/tmp/vr-venv/bin/vllm-router: `uv venv /tmp/vr-venv && uv pip install -p
-/tmp/vr-venv/bin/python vllm-router`); without it that row is skipped.
+CPU is what the router's processes used (user + system, the whole process tree:
+a supervisor and its workers, or a Rust router's threads) per request answered,
+and for streams per chunk relayed (a stream's CPU minus one non-streaming
+request's, over its 100 chunks). The `x vllm` and `x sglang` columns are llmgw's
+CPU over the peer's from the same run: below 1 is cheaper.
+
+The peers, PyPI's `vllm-router` and `sglang-router`, are looked for under
+.cache/rust-routers (`uv venv .cache/rust-routers && uv pip install -p
+.cache/rust-routers/bin/python vllm-router sglang-router`); a missing one's row is
+skipped. Both are given `--policy round_robin` on their one worker.
+
+`--workers-run` compares `workers: 1` with `workers: 2` on this 2-core machine:
+the router processes may use both cores (`taskset -c 0,1`) while the simulator and
+the load generator are pinned to core 0. So worker 0 and worker 1 each have a core
+in principle, but whichever lands on core 0 competes with the load generator and
+the simulator; `workers: 1` has the same two cores and uses at most one of them.
+The requests/s ratio says how much a second worker buys when there is a spare
+core (here only part of one), CPU per request says what the supervisor and the
+second event loop cost (they should cost almost nothing).
 """
 
 from __future__ import annotations
@@ -33,15 +51,35 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import benchlib
 from benchlib import Run, chat_load, serving, use_uvloop
 from llmgw_testkit import free_port
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = ROOT / ".cache" / "rust-routers" / "bin"
 MODEL = "bench-model"
+STREAM_TOKENS = 100
+PEER_TARGETS = ("vllm-router", "sglang-router")
 
 
-def _pin(core: str) -> list[str]:
-    return ["taskset", "-c", core] if shutil.which("taskset") else []
+def _pin(cores: str) -> list[str]:
+    return ["taskset", "-c", cores] if shutil.which("taskset") else []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``, its threads and its descendants (a supervisor's workers)."""
+    total = _process_cpu_seconds(pid)
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+            total += sum(tree_cpu_seconds(int(child)) for child in children)
+    return total
+
+
+# chat_load reads CPU through benchlib.cpu_seconds: make it count whole process trees.
+_process_cpu_seconds = benchlib.cpu_seconds
+benchlib.cpu_seconds = tree_cpu_seconds
 
 
 @contextlib.contextmanager
@@ -62,14 +100,17 @@ def simulator(port: int, logs: Path, itl: float) -> contextlib.AbstractContextMa
 
 
 def llmgw_router(
-    port: int, sim: str, server: str, logs: Path
+    port: int, sim: str, server: str, logs: Path, *, workers: int, cores: str
 ) -> contextlib.AbstractContextManager[int]:
     admin = free_port()
-    config = logs / f"router-{server}.yaml"
+    config = logs / f"router-{server}-{workers}.yaml"
     choice = "" if server == "default" else f"server: {server}\n"
-    config.write_text(f"{choice}health_checks: {{interval: 5s}}\n")
+    # The peers get round_robin; so does llmgw, so that the rows compare the proxies.
+    config.write_text(
+        f"{choice}workers: {workers}\nbalancer: round_robin\nhealth_checks: {{interval: 5s}}\n"
+    )
     argv = [
-        *_pin("1"), str(BIN / "llmgw-router"), "serve", "--config", str(config),
+        *_pin(cores), str(BIN / "llmgw-router"), "serve", "--config", str(config),
         "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
         "--endpoint", f"sim={sim}={MODEL}", "--log-level", "warning",
     ]  # fmt: skip
@@ -78,15 +119,22 @@ def llmgw_router(
     )
 
 
-def vllm_router(
-    binary: str, port: int, sim: str, logs: Path
+def peer_router(
+    target: str, binary: Path, port: int, sim: str, logs: Path, cores: str
 ) -> contextlib.AbstractContextManager[int]:
-    argv = [
-        *_pin("1"), binary, "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", sim, "--policy", "round_robin",
-        "--prometheus-port", str(free_port()), "--log-level", "warning",
-    ]  # fmt: skip
-    return process(argv, f"http://127.0.0.1:{port}/health", "vllm-router", logs, "vllm-router")
+    if target == "vllm-router":
+        argv = [
+            *_pin(cores), str(binary), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", sim, "--policy", "round_robin",
+            "--prometheus-port", str(free_port()), "--log-level", "warning",
+        ]  # fmt: skip
+    else:
+        argv = [
+            *_pin(cores), str(binary), "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", sim, "--policy", "round_robin",
+            "--prometheus-port", str(free_port()), "--log-level", "warn",
+        ]  # fmt: skip
+    return process(argv, f"http://127.0.0.1:{port}/health", target, logs, target)
 
 
 async def run_cell(
@@ -100,22 +148,51 @@ async def run_cell(
     )
 
 
-def _cpu_us(r: Run, target: str) -> float:
+def _cpu_us(r: Run | None, target: str) -> float:
     """The proxy's CPU microseconds per successful request."""
-    return r.cpu.get(target, 0.0) / r.ok * 1e6 if r.ok else float("nan")
+    if r is None or not r.ok or not r.cpu.get(target):
+        return float("nan")
+    return r.cpu[target] / r.ok * 1e6
 
 
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1000:7.2f}"
 
 
-def print_table(rows: list[tuple[str, int, dict[str, Run]]], targets: list[str]) -> None:
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:8.2f}" if a == a and b == b and b else f"{'':>8}"
+
+
+def _cost(
+    results: dict[str, Run],
+    target: str,
+    conc: int,
+    streamed: bool,
+    per_request: dict[tuple[int, str], float],
+) -> float:
+    """CPU µs per request, or for streams per chunk relayed."""
+    us = _cpu_us(results.get(target), target)
+    if not streamed:
+        return us
+    return (us - per_request.get((conc, target), 0.0)) / STREAM_TOKENS
+
+
+def print_table(
+    rows: list[tuple[str, int, dict[str, Run]]],
+    targets: list[str],
+    per_request: dict[tuple[int, str], float],
+) -> None:
+    """One table per cell; for streams, CPU per chunk uses the same target's
+    non-streaming CPU per request at the same concurrency (``per_request``)."""
     print(
         f"{'case':<11} {'conc':>4}  {'target':<16} {'req/s':>8} {'x direct':>8}"
         f" {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'+p99 ms':>7} {'cpu us/req':>10}"
+        f" {'us/chunk':>8} {'x vllm':>8} {'x sglang':>8}"
     )
     for case, conc, results in rows:
         direct = results.get("direct")
+        streamed = case.startswith("stream")
+
         for target in targets:
             r = results.get(target)
             if r is None:
@@ -124,64 +201,46 @@ def print_table(rows: list[tuple[str, int, dict[str, Run]]], targets: list[str])
             added50 = _fmt_ms(r.pct(0.5) - direct.pct(0.5)) if direct else ""
             added99 = _fmt_ms(r.pct(0.99) - direct.pct(0.99)) if direct else ""
             errors = f"  ({r.errors} errors)" if r.errors else ""
-            cpu = f"{_cpu_us(r, target):10.0f}" if r.cpu.get(target) else f"{'':>10}"
+            us = _cpu_us(r, target)
+            cpu = f"{us:10.1f}" if us == us else f"{'':>10}"
+            chunk = (
+                f"{_cost(results, target, conc, streamed, per_request):8.2f}"
+                if streamed and us == us
+                else f"{'':>8}"
+            )
+            peers = ""
+            if target.startswith("llmgw") and us == us:
+                peers = (
+                    _ratio(
+                        _cost(results, target, conc, streamed, per_request),
+                        _cost(results, "vllm-router", conc, streamed, per_request),
+                    )
+                    + " "
+                    + _ratio(
+                        _cost(results, target, conc, streamed, per_request),
+                        _cost(results, "sglang-router", conc, streamed, per_request),
+                    )
+                )
             print(
                 f"{case:<11} {conc:>4}  {target:<16} {r.rps:8.0f} {ratio}"
-                f" {_fmt_ms(r.pct(0.5))} {_fmt_ms(r.pct(0.99))} {added50} {added99} {cpu}{errors}"
+                f" {_fmt_ms(r.pct(0.5))} {_fmt_ms(r.pct(0.99))} {added50} {added99} {cpu}"
+                f" {chunk} {peers}{errors}"
             )
-        ours, peer = results.get("llmgw"), results.get("vllm-router")
-        if ours and peer and peer.rps:
-            print(f"{'':<11} {'':>4}  {'llmgw/vllm-router':<16} {ours.rps / peer.rps:8.2f}")
     print()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seconds", type=float, default=2.0, help="per run")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per cell")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--case", choices=("all", "full", "stream"), default="all")
-    parser.add_argument(
-        "--targets",
-        nargs="+",
-        default=["direct", "llmgw", "vllm-router"],
-        choices=[
-            "direct",
-            "llmgw",
-            "llmgw-uvicorn",
-            "llmgw-hypercorn",
-            "vllm-router",
-        ],
-    )
-    parser.add_argument("--vllm-router", default="/tmp/vr-venv/bin/vllm-router")
-    parser.add_argument(
-        "--stream-itl",
-        type=float,
-        default=0.0001,
-        help="simulator inter-token latency for the stream case (0: one write per stream)",
-    )
-    args = parser.parse_args()
-    if args.seconds <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
-        parser.error("--seconds > 0, --rounds >= 1 and --concurrency >= 1")
-    targets = list(args.targets)
-    if "vllm-router" in targets and not Path(args.vllm_router).exists():
-        print(f"vllm-router not found at {args.vllm_router}: its row is skipped", file=sys.stderr)
-        targets.remove("vllm-router")
-    # The load generator shares core 0 with the simulator; routers get core 1.
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setaffinity(0, {0})
-    use_uvloop()
-
-    cases = [("full", False), ("stream-100", True)]
+def run_cases(
+    args: argparse.Namespace,
+    targets: list[str],
+    *,
+    router_cores: str,
+    workers: dict[str, int],
+) -> list[tuple[str, int, dict[str, Run]]]:
+    cases = [("full", False), (f"stream-{STREAM_TOKENS}", True)]
     if args.case != "all":
         cases = [c for c in cases if (c[1] if args.case == "stream" else not c[1])]
-    print(
-        f"{os.cpu_count()} CPUs; routers pinned to core 1, simulator and load on core 0;"
-        f" {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
-    )
     rows: list[tuple[str, int, dict[str, Run]]] = []
+    per_request: dict[tuple[int, str], float] = {}
     for case, stream in cases:
         # Streams: a tiny inter-token latency makes the simulator write every token on
         # its own, so a 100-token stream is 100 chunks for the proxy to pass on.
@@ -199,12 +258,24 @@ def main() -> int:
             for target in targets:
                 port = free_port()
                 if target.startswith("llmgw"):
-                    # `llmgw` is the default server; the others name theirs.
-                    server = target.partition("-")[2] or "default"
-                    pids[target] = stack.enter_context(llmgw_router(port, sim, server, logs))
-                elif target == "vllm-router":
+                    # `llmgw` is the default server; `llmgw-hypercorn` names its own;
+                    # `llmgw-wN` is the default server with N workers.
+                    suffix = target.partition("-")[2]
+                    server = suffix if suffix in ("uvicorn", "hypercorn") else "default"
                     pids[target] = stack.enter_context(
-                        vllm_router(args.vllm_router, port, sim, logs)
+                        llmgw_router(
+                            port,
+                            sim,
+                            server,
+                            logs,
+                            workers=workers.get(target, 1),
+                            cores=router_cores,
+                        )
+                    )
+                elif target in PEER_TARGETS:
+                    binary = Path(getattr(args, target.replace("-", "_")))
+                    pids[target] = stack.enter_context(
+                        peer_router(target, binary, port, sim, logs, router_cores)
                     )
                 if target != "direct":
                     bases[target] = f"http://127.0.0.1:{port}"
@@ -222,10 +293,84 @@ def main() -> int:
                                 seconds=args.seconds,
                             )
                         )
-                        if target not in best or r.rps > best[target].rps:
+                        # The least disturbed round: the least CPU per request.
+                        if target not in best or _cpu_us(r, target) < _cpu_us(best[target], target):
                             best[target] = r
+                if not stream:
+                    for target in targets:
+                        per_request[(conc, target)] = _cpu_us(best.get(target), target)
                 rows.append((case, conc, best))
-                print_table([rows[-1]], targets)
+                print_table([rows[-1]], targets, per_request)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=2.0, help="per run")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per cell")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--case", choices=("all", "full", "stream"), default="all")
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        default=["direct", "llmgw", "vllm-router", "sglang-router"],
+        choices=[
+            "direct",
+            "llmgw",
+            "llmgw-uvicorn",
+            "llmgw-hypercorn",
+            "vllm-router",
+            "sglang-router",
+        ],
+    )
+    parser.add_argument("--vllm-router", default=str(PEERS / "vllm-router"))
+    parser.add_argument("--sglang-router", default=str(PEERS / "sglang-router"))
+    parser.add_argument(
+        "--workers-run",
+        action="store_true",
+        help="llmgw with workers 1 and 2, router processes on cores 0-1 (see above)",
+    )
+    parser.add_argument(
+        "--stream-itl",
+        type=float,
+        default=0.0001,
+        help="simulator inter-token latency for the stream case (0: one write per stream)",
+    )
+    args = parser.parse_args()
+    if args.seconds <= 0 or args.rounds < 1 or min(args.concurrency) < 1:
+        parser.error("--seconds > 0, --rounds >= 1 and --concurrency >= 1")
+    # The load generator shares core 0 with the simulator; routers get core 1.
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, {0})
+    use_uvloop()
+    if args.workers_run:
+        targets = ["direct", "llmgw-w1", "llmgw-w2"]
+        print(
+            f"{os.cpu_count()} CPUs; llmgw router processes on cores 0-1, simulator and load on"
+            f" core 0; {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
+        )
+        rows = run_cases(args, targets, router_cores="0,1", workers={"llmgw-w1": 1, "llmgw-w2": 2})
+        for case, conc, results in rows:
+            one, two = results.get("llmgw-w1"), results.get("llmgw-w2")
+            if one and two and one.rps:
+                print(
+                    f"{case:<11} {conc:>4}  workers 2 / workers 1: req/s {two.rps / one.rps:.2f},"
+                    f" cpu us/req {_cpu_us(two, 'llmgw-w2') / _cpu_us(one, 'llmgw-w1'):.2f}"
+                )
+    else:
+        targets = list(args.targets)
+        for peer in PEER_TARGETS:
+            binary = getattr(args, peer.replace("-", "_"))
+            if peer in targets and not Path(binary).exists():
+                print(f"{peer} not found at {binary}: its row is skipped", file=sys.stderr)
+                targets.remove(peer)
+        print(
+            f"{os.cpu_count()} CPUs; routers pinned to core 1, simulator and load on core 0;"
+            f" {args.seconds:g}s per run, best of {args.rounds} alternating rounds\n"
+        )
+        rows = run_cases(args, targets, router_cores="1", workers={})
     return 1 if any(r.errors for _, _, res in rows for r in res.values()) else 0
 
 
