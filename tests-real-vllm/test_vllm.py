@@ -1,0 +1,403 @@
+"""The whole system on a real vLLM (or SGLang: see conftest.py): placed by the control plane,
+launched by the agent through the engine adapter's command line, served by the router, killed,
+restarted and drained.
+
+One system for the module (see conftest.py); the tests run in this order:
+loading -> ready -> serving -> load reports -> SIGKILL and restart -> drain (scale to zero).
+The model is a 270M base model: the tests check shapes, usage and token counts, not the text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+from llmgw_testkit import http_get, wait_for
+from llmgw_testkit.cluster import Cluster, metric_sum
+
+SERVED_NAME = "gemma3"
+
+
+def ready_shard(cluster: Cluster, timeout: float = 600) -> dict[str, Any]:
+    """The one ready replica's shard, waiting for it (at once when it is ready already)."""
+    (replica,) = cluster.wait_replicas(SERVED_NAME, 1, timeout=timeout)
+    (shard,) = replica["shards"]
+    result: dict[str, Any] = shard
+    return result
+
+
+def _health(port: int) -> int:
+    try:
+        status, _ = http_get(f"http://127.0.0.1:{port}/health", timeout=5)
+    except OSError:
+        return 0  # refused: vLLM binds its port at once but listens only once loaded
+    return status
+
+
+def _shard(cluster: Cluster) -> dict[str, Any] | None:
+    for replica in cluster.replicas(SERVED_NAME):
+        for shard in replica["shards"]:
+            if shard["pid"] > 0:
+                result: dict[str, Any] = shard
+                return result
+    return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of a process group (the engine's API server and its EngineCore)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _engine_args(cmdline: list[str], command: list[str]) -> list[str]:
+    """What the adapter added after agent.yaml's command (a console script such as bin/vllm
+    runs under its python: argv is [python, .../bin/vllm, ...])."""
+    for start in (0, 1):
+        if cmdline[start : start + len(command)] == command:
+            return cmdline[start + len(command) :]
+    raise AssertionError(f"{cmdline} does not run {command}")
+
+
+def _adapter(kind: str) -> Any:
+    from llmgw_agent.adapters import ADAPTERS
+
+    return next(a for a in ADAPTERS.values() if a.name == kind)
+
+
+def _engine_metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def _client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=300
+    )
+
+
+def test_starting_until_health_answers_then_ready(system: Cluster) -> None:
+    # Each sample reads the control plane's view first, then the engine's /health. While
+    # vLLM loads, its port refuses connections; once /health answers 200 it stays up. So a
+    # "starting" read before a failed /health was reported while the engine was loading.
+    samples: list[tuple[str, int]] = []
+
+    def starting_seen_while_loading_or_loaded() -> bool:
+        shard = _shard(system)
+        if shard is None:
+            return False
+        samples.append((shard["state"], _health(shard["port"])))
+        return samples[-1][0] == "starting" or samples[-1][1] == 200
+
+    wait_for(starting_seen_while_loading_or_loaded, timeout=900, interval=0.2, what="loading")
+    assert samples[-1][0] == "starting", f"no sample saw the engine load: {samples}"
+    assert samples[-1][1] != 200, samples
+    assert not [s for s in samples if s[0] == "ready"], samples
+
+    shard = ready_shard(system)
+    assert shard["state"] == "ready"
+    assert _health(shard["port"]) == 200
+
+
+def test_placed_on_the_cpu_node_and_launched_through_the_adapter(
+    serving: Cluster, engine: Any, hf_model: Path, profile: dict[str, Any]
+) -> None:
+    node = serving.wait_node_state("cpu-a", "READY")
+    assert node["gpus"] == []
+    assert node["simulated"] is False
+    shard = ready_shard(serving)
+    assert shard["node_id"] == "cpu-a"
+    assert shard["gpu_indices"] == []
+    cmdline = _cmdline(shard["pid"])
+    args = _engine_args(cmdline, engine.command)
+    assert args[args.index(engine.model_flag) + 1] == str(hf_model), args
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert args[args.index("--port") + 1] == str(shard["port"])
+    assert args[args.index("--served-model-name") + 1] == SERVED_NAME
+    assert args[args.index(engine.tp_flag) + 1] == "1"
+    engine_args = profile["engine_args"]
+    assert args[-len(engine_args) :] == engine_args  # the profile's engine_args, last
+    environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
+    for key, value in profile["env"].items():
+        assert f"{key}={value}".encode() in environ, key
+    # The control plane publishes the engine's address; the router lists the model.
+    (replica,) = serving.replicas(SERVED_NAME)
+    assert replica["endpoint"] == f"http://127.0.0.1:{shard['port']}"
+    assert SERVED_NAME in serving.router_models()
+
+
+def help_flags(text: str) -> set[str]:
+    """Flags in argparse's help: "  --max-model-len MAX_MODEL_LEN, -asc ..." option lines."""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            spec = re.split(r"\s{2,}", line.strip())[0]
+            flags.update(re.findall(r"(?:^|, )(--?[A-Za-z][\w.-]*)", spec))
+    return flags
+
+
+def test_every_flag_the_adapter_emitted_is_in_the_real_help(serving: Cluster, engine: Any) -> None:
+    shard = ready_shard(serving)
+    args = _engine_args(_cmdline(shard["pid"]), engine.command)
+    flags = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    known = help_flags(engine.captured_help.read_text())
+    assert len(known) > 300  # the parse found the engine's options
+    assert flags <= known, sorted(flags - known)
+    # The capture in the repo is what this engine prints: the agent read the installed
+    # engine's help itself (cached under its state dir) and its every line is there.
+    pattern = f"{engine.kind}-{engine.version}-*.txt"
+    cached = sorted((serving.state_dir("cpu-a") / "engine-help").glob(pattern))
+    assert cached, "the agent did not read the engine's own help"
+    real = cached[0].read_text().splitlines()
+    captured = engine.captured_help.read_text().splitlines()
+    assert [line for line in real if line in set(captured)] == captured
+
+
+def test_chat_completion_through_the_router(serving: Cluster) -> None:
+    reply = _client(serving).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "The capital of France is"}],
+        max_tokens=8,
+        temperature=0,
+        # A base model may end at once; without its end token it writes exactly max_tokens.
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.object == "chat.completion"
+    assert reply.model == SERVED_NAME
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    usage = reply.usage
+    assert usage is not None
+    # The chat template wrapped the message: more tokens than the five words alone.
+    assert usage.prompt_tokens > 8
+    assert usage.completion_tokens == 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_streaming_chat_completion_with_usage_through_the_router(serving: Cluster) -> None:
+    stream = _client(serving).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Once upon a time"}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta]
+    pieces = [p for p in pieces if p]
+    # Tokens arrive one chunk at a time, not as one block at the end.
+    assert len(pieces) >= 2
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert chunks[-1].choices == []  # the usage chunk comes last, on its own
+    assert usage.prompt_tokens > 0
+    assert usage.completion_tokens == 16
+    assert len(pieces) <= usage.completion_tokens
+
+
+def test_completion_through_the_router(serving: Cluster) -> None:
+    client = _client(serving)
+    reply = client.completions.create(
+        model=SERVED_NAME, prompt="The capital of France is", max_tokens=12, temperature=0
+    )
+    assert reply.object == "text_completion"
+    (choice,) = reply.choices
+    assert isinstance(choice.text, str)
+    assert choice.text
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == 6  # <bos> and five tokens: add_bos_token kept
+    assert 0 < reply.usage.completion_tokens <= 12
+    # Greedy decoding of the same prompt gives the same text through the router again.
+    again = client.completions.create(
+        model=SERVED_NAME, prompt="The capital of France is", max_tokens=12, temperature=0
+    )
+    assert again.choices[0].text == choice.text
+
+
+def test_load_reports_carry_the_engines_real_metrics(serving: Cluster, engine: Any) -> None:
+    shard = ready_shard(serving)
+    # What the engine itself says: the names the agent's adapter reads are in its /metrics.
+    adapter = _adapter(engine.kind)
+    text = _engine_metrics(shard["port"])
+    names = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()}
+    load = adapter.load
+    wanted = [adapter.running_metric, load.running, load.waiting, load.kv_cache_usage]
+    wanted += [load.prefix_queries, load.prefix_hits]
+    missing = [n for n in wanted if n not in names and f"{n}_total" not in names]
+    assert not missing, f"{engine.kind} {engine.version} has no {missing}"
+    queries = metric_sum(text, load.prefix_queries) + metric_sum(
+        text, f"{load.prefix_queries}_total"
+    )
+    assert queries > 0  # the requests above were looked up in the prefix cache
+
+    # ...and the agent's load reports carry it to the control plane, per replica.
+    def reported() -> dict[str, Any] | None:
+        (replica,) = serving.replicas(SERVED_NAME)
+        load: dict[str, Any] | None = replica.get("load")
+        return load if load and load["known"] and load["prefix_cache_queries"] > 0 else None
+
+    figures = wait_for(reported, timeout=60, what="a load report with prefix-cache counts")
+    assert figures["prefix_cache_queries"] <= queries
+    assert figures["running"] == 0
+
+    # A request running shows as running in the reported load.
+    done = threading.Event()
+
+    def long_request() -> None:
+        try:
+            _client(serving).completions.create(
+                model=SERVED_NAME,
+                prompt="Once upon a time",
+                max_tokens=200,
+                extra_body={"ignore_eos": True},
+            )
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+        wait_for(
+            lambda: done.is_set() or serving.replicas(SERVED_NAME)[0]["load"]["running"] >= 1,
+            timeout=120,
+            what="the running request in the reported load",
+        )
+        assert not done.is_set(), "the request ended before any load report saw it"
+    finally:
+        worker.join(timeout=300)
+    wait_for(
+        lambda: serving.replicas(SERVED_NAME)[0]["load"]["running"] == 0,
+        timeout=60,
+        what="the reported load back to 0 running",
+    )
+
+
+def test_sigkill_is_reported_failed_with_the_engines_last_lines_then_restarted(
+    serving: Cluster, engine: Any
+) -> None:
+    shard = ready_shard(serving)
+    pid = shard["pid"]
+    assert len(_group(pid)) >= 2  # the API server and the engine process(es) it started
+    os.kill(pid, signal.SIGKILL)  # the API server only: no chance to say goodbye
+
+    def reported_failed() -> dict[str, Any] | None:
+        (replica,) = serving.replicas(SERVED_NAME)
+        return replica if replica["failures"] >= 1 else None
+
+    failed = wait_for(reported_failed, timeout=120, what="the killed engine reported")
+    assert "SIGKILL" in str(failed["last_error"]), failed
+    tail = str(failed["output_tail"])
+    # The engine's own lines, as it writes them (vLLM: its API server's prefix with the
+    # killed pid; uvicorn's access lines for the agent's metrics polls).
+    for line in engine.own_lines:
+        assert line.format(pid=pid) in tail, tail
+    serving.agents["cpu-a"].wait_output('"state": "FAILED"', timeout=30)
+    # The engine's children (vLLM's EngineCore holds the model) went with it.
+    wait_for(lambda: not _group(pid), timeout=60, what="the killed engine's group gone")
+
+    # Restarted after backoff: a new vLLM, loaded and ready again.
+    def restarted() -> dict[str, Any] | None:
+        shard = _shard(serving)
+        ok = shard and shard["pid"] != pid and shard["state"] == "ready"
+        return shard if ok else None
+
+    again = wait_for(restarted, timeout=900, interval=0.5, what="a new engine ready after the kill")
+    assert _health(again["port"]) == 200
+
+
+# Long enough (10-30 s here) for the scale-down to reach the agent while vLLM runs it.
+DRAIN_TOKENS = 300
+
+
+def test_scale_to_zero_drains_on_the_engines_running_metric(serving: Cluster, engine: Any) -> None:
+    shard = ready_shard(serving)
+    pid, port = shard["pid"], shard["port"]
+    running = _adapter(engine.kind).running_metric
+    serving.wait_router_models(SERVED_NAME, timeout=60)
+    outcome: list[tuple[str, int]] = []
+
+    def stream() -> None:
+        try:
+            chunks = list(
+                _client(serving).completions.create(
+                    model=SERVED_NAME,
+                    prompt="Once upon a time",
+                    max_tokens=DRAIN_TOKENS,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+            usage = chunks[-1].usage
+            outcome.append((str(finish[-1]), usage.completion_tokens if usage else 0))
+        except Exception as err:
+            outcome.append((f"error: {err!r}", 0))
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    try:
+        wait_for(
+            lambda: outcome or metric_sum(_engine_metrics(port), running) >= 1,
+            timeout=120,
+            what="the stream running in the engine",
+        )
+        assert not outcome, f"the stream ended before the scale-down: {outcome}"
+
+        config_path = serving.workdir / "control.yaml"
+        config = json.loads(config_path.read_text())
+        config["models"][0]["profiles"]["cpu"]["replicas"] = 0
+        config_path.write_text(json.dumps(config, indent=2))
+        assert serving.control is not None
+        serving.control.signal(signal.SIGHUP)
+
+        # Draining while the engine still runs the request: it is not stopped under it.
+        wait_for(
+            lambda: outcome or serving.replicas(SERVED_NAME)[0]["state"] == "draining",
+            timeout=60,
+            what="the replica draining",
+        )
+        assert not outcome, f"the stream ended before the drain began: {outcome}"
+        assert _alive(pid)
+        assert metric_sum(_engine_metrics(port), running) >= 1
+    finally:
+        worker.join(timeout=300)
+    assert outcome == [("length", DRAIN_TOKENS)], outcome
+
+    wait_for(lambda: not serving.replicas(SERVED_NAME), timeout=120, what="no replica left")
+    wait_for(lambda: not _group(pid), timeout=60, what="the drained engine stopped")
+    agent_log = serving.agents["cpu-a"].output()
+    assert '"state": "DRAINING"' in agent_log
+    assert '"state": "STOPPED"' in agent_log
