@@ -145,7 +145,10 @@ def test_sglang_and_llama_report_their_own_names(tmp_path: Path) -> None:
     with start(
         tmp_path / "sg", "sglang", [*args, "--enable-metrics", "--max-running-requests", "1"]
     ) as sg:
-        threads = [threading.Thread(target=_chat, args=(sg, f"q{i}")) for i in range(3)]
+        threads = [
+            threading.Thread(target=_chat, args=(sg, f"q{i}"), kwargs={"max_tokens": 60})
+            for i in range(3)
+        ]
         for t in threads:
             t.start()
         try:
@@ -159,7 +162,9 @@ def test_sglang_and_llama_report_their_own_names(tmp_path: Path) -> None:
         assert sg.metric("sglang:cache_hit_rate") > 0
     with start(tmp_path / "ll", "llama-server", [*args, "--metrics", "-np", "1"]) as ll:
         threads = [
-            threading.Thread(target=_chat, args=(ll, f"q{i}"), kwargs={"model": "m"})
+            threading.Thread(
+                target=_chat, args=(ll, f"q{i}"), kwargs={"model": "m", "max_tokens": 60}
+            )
             for i in range(3)
         ]
         for t in threads:

@@ -51,6 +51,8 @@ class EngineConfig:
     # --chunked-prefill-size, llama.cpp -b) and KV-cache size in tokens.
     max_num_batched_tokens: int = 8192
     kv_tokens: int = 131072
+    # --kv-events-config as given (vLLM, SGLang).
+    kv_events_config: str | None = None
     request_id_headers: bool = False
     # LoRA adapters served next to the base model: name -> path.
     lora_modules: dict[str, str] = field(default_factory=dict)
@@ -160,6 +162,7 @@ def from_args(
             served_names=names,
             # vLLM 0.32's online-serving defaults on an H100-class GPU.
             max_num_batched_tokens=getattr(ns, "max_num_batched_tokens", None) or 8192,
+            kv_events_config=getattr(ns, "kv_events_config", None),
             kv_tokens=kv_tokens(
                 knobs,
                 block,
@@ -220,6 +223,7 @@ def from_args(
             max_num_seqs=ns.max_running_requests or 256,
             block_size=knobs.block_size or ns.page_size,
             max_num_batched_tokens=_sglang_budget(ns),
+            kv_events_config=getattr(ns, "kv_events_config", None),
             kv_tokens=kv_tokens(
                 knobs,
                 knobs.block_size or ns.page_size,

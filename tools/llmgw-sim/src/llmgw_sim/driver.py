@@ -88,8 +88,6 @@ class StepDriver:
             # sleep(0) still yields, so handlers write between back-to-back steps.
             await asyncio.sleep(max(0.0, delay))
             prev_end = end
-            if self._on_step is not None:
-                self._on_step(plan)
             now = time.monotonic()
             for ev in sched.finish_step(plan):
                 w = self._waiters.get(ev.rid)
@@ -103,6 +101,8 @@ class StepDriver:
                     w.done = True
                     del self._waiters[ev.rid]
                 w.event.set()
+            if self._on_step is not None:
+                self._on_step(plan)
 
     def close(self) -> None:
         if self._task is not None:

@@ -22,6 +22,8 @@ from llmgw_sim.config import (
 )
 from llmgw_sim.flags import EngineKind, parse_engine_args, resolve_version
 from llmgw_sim.knobs import KnobError, load_knobs, split_sim_args
+from llmgw_sim.kvevents import Publisher as KvPublisher
+from llmgw_sim.kvevents import parse_config as parse_kv_events
 from llmgw_sim.logs import (
     EngineLog,
     llama_failure_tail,
@@ -333,6 +335,13 @@ class Lifecycle:
             check_kv_fits(cfg)
         except StartupError as err:
             return self.fail(err, code=knobs.exit_code)
+        try:
+            kv_config = parse_kv_events(cfg.kv_events_config)
+            if kv_config is not None and engine.driver is not None:
+                # vLLM starts its publisher with the engine core, before serving.
+                engine.kv_publisher = KvPublisher(kv_config)
+        except StartupError as err:
+            return self.fail(err, code=knobs.exit_code)
         if knobs.fail_on_load is not None:
             return self.fail(
                 StartupError("RuntimeError", knobs.fail_on_load, phase="load"), code=knobs.exit_code
@@ -377,6 +386,9 @@ class Lifecycle:
 
     async def _shutdown(self, engine: Engine) -> int:
         engine.draining = True
+        if engine.kv_publisher is not None:
+            engine.kv_publisher.close()
+            engine.kv_publisher = None
         running = engine.busy
         if self.kind == "llama-server":
             self.log.raw("srv    operator(): operator(): cleaning up before exit...")

@@ -79,9 +79,11 @@ class KVCache:
         self._free = num_blocks  # blocks holding nothing
         self._cached: dict[int, _Block] = {}  # every block with a hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # hashes with ref 0, LRU first
-        # Block hashes stored and removed since the last drain (KV events).
+        # Block hashes stored and removed since the last drain (KV events), and the
+        # hash of the block before each stored one in its prompt (None for a first block).
         self.stored: list[int] = []
         self.removed: list[int] = []
+        self.parents: dict[int, int | None] = {}
 
     # ----- accounting --------------------------------------------------------
 
@@ -143,13 +145,14 @@ class KVCache:
             return _Block()
         return None
 
-    def register(self, block: _Block, h: int) -> None:
+    def register(self, block: _Block, h: int, parent: int | None = None) -> None:
         """A full block's tokens are computed: cache it under its hash (unless cached already)."""
         if not self.prefix_caching or block.hash is not None or h in self._cached:
             return
         block.hash = h
         self._cached[h] = block
         self.stored.append(h)
+        self.parents[h] = parent
 
     def release(self, blocks: Sequence[_Block]) -> None:
         """Drop a sequence's references; tail blocks become the first to be evicted."""
@@ -165,16 +168,15 @@ class KVCache:
     def drain_events(self) -> tuple[list[int], list[int]]:
         stored, removed = self.stored, self.removed
         self.stored, self.removed = [], []
+        self.parents = {h: self.parents[h] for h in self.stored}
         return stored, removed
 
-    def reset(self) -> list[int]:
-        """Forget every unreferenced cached block (vLLM's reset_prefix_cache)."""
-        gone = list(self._evictable)
-        for h in gone:
-            del self._cached[h]
-        self._free += len(gone)
-        self._evictable.clear()
-        return gone
+    def drain_blocks(self) -> tuple[list[tuple[int, int | None]], list[int]]:
+        """(stored block hash and its parent's, removed hashes) since the last drain."""
+        parents = self.parents
+        stored, removed = self.drain_events()
+        self.parents = {}
+        return [(h, parents.get(h)) for h in stored], removed
 
 
 @dataclass
@@ -397,7 +399,8 @@ class Scheduler:
             # Full prompt blocks computed in this step join the prefix cache.
             full = min(seq.computed, seq.prompt_len) // bs
             for b in range(before // bs, min(full, len(seq.hashes))):
-                self.cache.register(seq.blocks[b], seq.hashes[b])
+                parent = seq.hashes[b - 1] if b else None
+                self.cache.register(seq.blocks[b], seq.hashes[b], parent)
             if seq.prefilling:
                 continue  # more prompt chunks to go: nothing sampled yet
             first = seq.generated == 0

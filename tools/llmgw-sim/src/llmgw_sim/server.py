@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from llmgw_sim import metrics
+from llmgw_sim import kvevents, metrics
 from llmgw_sim.config import EngineConfig
 from llmgw_sim.driver import StepDriver, Waiter
 from llmgw_sim.httpserver import Request, Response, Stream
@@ -103,6 +103,8 @@ class Engine:
         self.slots = BatchSlots(config.max_num_seqs)
         self.kv_tokens_in_use = 0
         self.driver: StepDriver | None = None
+        # Set by the runner once loaded, when --kv-events-config asks for a ZMQ publisher.
+        self.kv_publisher: kvevents.Publisher | None = None
         if knobs.scheduler == "step":
             sched = Scheduler(
                 SchedulerConfig(
@@ -171,6 +173,11 @@ class Engine:
     def _on_step(self, plan: StepPlan) -> None:
         self.stats.iteration_tokens.observe(plan.prefill_tokens + plan.decodes)
         self.stats.decode_steps += 1
+        if self.driver is not None:
+            cache = self.driver.scheduler.cache
+            stored, removed = cache.drain_blocks()
+            if self.kv_publisher is not None and (stored or removed):
+                self.kv_publisher.publish(kvevents.events(stored, removed, self.config.block_size))
 
     @property
     def busy(self) -> int:

@@ -1,0 +1,115 @@
+"""vLLM's KV-cache events, published over ZMQ as vLLM 0.32 publishes them.
+
+With ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557", "topic": "..."}'`` (and the step scheduler, whose block cache
+is what the events describe), every engine step that stored or evicted prefix blocks
+sends one multipart message on a ZMQ PUB socket: ``(topic, sequence number as 8 bytes
+big-endian, msgpack [timestamp, [event, ...], data_parallel_rank])``. Events are maps
+tagged by ``type`` as vLLM encodes them: ``BlockStored`` (``block_hashes``,
+``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``,
+``lora_name``) and ``BlockRemoved`` (``block_hashes``, ``medium``). Block hashes are the
+scheduler's signed 64-bit integers, as vLLM sends them with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``; ``token_ids`` is empty (the simulator's
+tokens have no ids of a real vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from llmgw_sim.config import StartupError
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    endpoint: str
+    topic: str
+
+
+def parse_config(raw: str | None) -> KvEventsConfig | None:
+    """The ZMQ publisher --kv-events-config asks for, None when it asks for none."""
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        raise StartupError(
+            "ValueError", f"--kv-events-config must be JSON, got {raw!r}", phase="config"
+        ) from None
+    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
+        return None
+    publisher = config.get("publisher", "zmq")
+    if publisher not in ("zmq", "null"):
+        raise StartupError("ValueError", f"Unknown event publisher '{publisher}'")
+    if publisher == "null":
+        return None
+    return KvEventsConfig(
+        endpoint=str(config.get("endpoint") or "tcp://*:5557"),
+        topic=str(config.get("topic") or ""),
+    )
+
+
+def events(
+    stored: list[tuple[int, int | None]], removed: list[int], block_size: int
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for h, parent in stored:
+        out.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": [h],
+                "parent_block_hash": parent,
+                "token_ids": [],
+                "block_size": block_size,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+        )
+    if removed:
+        out.append({"type": "BlockRemoved", "block_hashes": list(removed), "medium": "GPU"})
+    return out
+
+
+class Publisher:
+    """A ZMQ PUB socket sending batches with consecutive sequence numbers."""
+
+    def __init__(self, config: KvEventsConfig) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._context = zmq.Context()
+        self._sock = self._context.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(config.endpoint)
+        except zmq.ZMQError as err:
+            self.close()
+            raise StartupError(
+                "zmq.error.ZMQError", f"{err.strerror} (addr='{config.endpoint}')", phase="load"
+            ) from None
+        self._topic = config.topic.encode()
+        self._seq = 0
+        self.sent = 0
+
+    def publish(self, batch: list[dict[str, Any]]) -> None:
+        if not batch:
+            return
+        payload = msgspec.msgpack.encode([time.time(), batch, None])
+        try:
+            self._sock.send_multipart(
+                [self._topic, self._seq.to_bytes(8, "big"), payload], flags=self._zmq.NOBLOCK
+            )
+        except self._zmq.Again:
+            pass  # a PUB socket drops what no subscriber can take; the number still counts
+        self._seq += 1
+        self.sent += 1
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._context.term()
