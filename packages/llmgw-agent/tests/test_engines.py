@@ -106,3 +106,26 @@ def test_parse_version() -> None:
     assert parse_version("sglang", "0.5.23\n") == "0.5.23"
     assert parse_version("llamacpp", "version: 11434 (a1b2c3)\nbuilt with cc\n") == "b11434"
     assert parse_version("vllm", "usage: error\n") == ""
+
+
+def test_inventory_lists_the_engines(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        f"simulate_gpus: {{count: 1}}\nstate_dir: {tmp_path / 'state'}\nengines:\n"
+        "  vllm: {command: [vllm], flags_from: captured}\n"
+        "  sglang: {command: [no-such-python, -m, sglang.launch_server]}\n"
+        "  llamacpp: {command: [no-such-llama-server]}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw_agent", "inventory", "--config", str(config), "--engines",
+         "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    engines = {e["kind"]: e for e in json.loads(out.stdout)["engines"]}
+    assert engines["ENGINE_KIND_VLLM"]["version"] == "0.32.0"
+    assert engines["ENGINE_KIND_VLLM"]["error"] == ""
+    assert "not found on PATH" in engines["ENGINE_KIND_LLAMACPP"]["error"]
+    assert "not found on PATH" in engines["ENGINE_KIND_SGLANG"]["error"]

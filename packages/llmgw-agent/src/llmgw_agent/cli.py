@@ -47,8 +47,14 @@ def main() -> None:
 @main.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="agent.yaml")
 @click.option("--json", "as_json", is_flag=True, help="Print the Register message as JSON.")
-def inventory(config_path: str | None, as_json: bool) -> None:
-    """Print what this node would register: GPUs, host, interfaces, labels."""
+@click.option(
+    "--engines",
+    "with_engines",
+    is_flag=True,
+    help="Also ask each engine its version and flags (vLLM's take up to a minute).",
+)
+def inventory(config_path: str | None, as_json: bool, with_engines: bool) -> None:
+    """Print what this node would register: GPUs, host, interfaces, labels, engines."""
     # Log lines go to stderr so `--json` output stays parseable.
     setup_logging("warning" if as_json else "info", "console", stream=sys.stderr)
     config = _config_or_exit(config_path, insecure=True)
@@ -62,6 +68,9 @@ def inventory(config_path: str | None, as_json: bool) -> None:
         )
     finally:
         gpus.close()
+    if with_engines:
+        installed = load_installed(config, Path(config.state_dir).expanduser())
+        register.engines = [e.info() for e in installed.values()]
     if as_json:
         click.echo(json.dumps(_snake(register), indent=2))
         return
@@ -87,6 +96,9 @@ def inventory(config_path: str | None, as_json: bool) -> None:
         click.echo(f"interface   {iface.name}: {' '.join(iface.addresses) or '-'}")
     for key, value in sorted(register.labels.items()):
         click.echo(f"label       {key}={value}")
+    for engine in register.engines:
+        state = f"unusable: {engine.error}" if engine.error else engine.version or "?"
+        click.echo(f"engine      {engine.kind.name.lower()}: {state} ({engine.executable})")
 
 
 def _gib(n: int) -> str:
