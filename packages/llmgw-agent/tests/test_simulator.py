@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.health import running_requests
+from llmgw_agent.load import LoadReporter
 from llmgw_agent.supervisor import Supervisor
 from llmgw_proto import v1
 from llmgw_testkit import free_port, http_get, wait_for_async
@@ -80,6 +81,16 @@ async def test_simulated_engine_ready_then_stopped(
     assert status == 200
     models = json.loads(body)
     assert "qwen" in [m["id"] for m in models["data"]]
+    # The agent reads the simulator's metrics under the real engine's own names.
+    reporter = LoadReporter(
+        sup.load_sources, lambda report: None, interval=lambda: 0.25, session=lambda: 1
+    )
+    report = await reporter.round()
+    assert report is not None
+    [load] = report.engines
+    assert load.shard_id == start.shard_id
+    assert load.known
+    assert (load.running, load.waiting) == (0, 0)
     # A generous grace: under load a clean exit may take a while, and SIGKILL would show.
     sup.stop(
         v1.StopShard(command_id="s", shard_id=start.shard_id, grace=datetime.timedelta(seconds=30))
@@ -116,6 +127,13 @@ async def test_drain_waits_for_a_request_in_flight(
         return bool(await running_requests(launch.metrics_url, engine.adapter.running_metric))
 
     await wait_for_async(busy, timeout=30, what="a running request in the engine's metrics")
+    # The load report sees it too (under the same real metric name).
+    reporter = LoadReporter(
+        sup.load_sources, lambda report: None, interval=lambda: 0.25, session=lambda: 1
+    )
+    report = await reporter.round()
+    assert report is not None
+    assert report.engines[0].known
     deadline = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=2)
     sup.drain(v1.DrainShard(command_id="d", shard_id=start.shard_id, deadline=deadline))
     await statuses.wait(S.DRAINING)
