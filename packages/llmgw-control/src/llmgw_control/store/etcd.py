@@ -61,6 +61,8 @@ class EtcdStore:
                 username=self.settings.username or None,
                 password=self.settings.password or None,
                 timeout=timeout,
+                # A whole fleet's records in one range answer can pass gRPC's 4 MiB default.
+                options={"grpc.max_receive_message_length": 1 << 30},
             )
             try:
                 await client.connect()
