@@ -12,9 +12,11 @@ from llmgw_sim.scheduler import Scheduler, Seq, StepCosts, StepPlan
 class Waiter:
     """What one request's handler waits on: tokens sampled so far and whether it is done."""
 
-    __slots__ = ("admitted_at", "done", "event", "first_at", "tokens")
+    __slots__ = ("admitted_at", "done", "event", "first_at", "stream", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, *, stream: bool = True) -> None:
+        # A non-streaming handler is woken only for its first token and its end.
+        self.stream = stream
         self.tokens = 0
         self.done = False
         self.admitted_at: float | None = None
@@ -45,8 +47,8 @@ class StepDriver:
         self._on_step = on_step
         self.steps = 0
 
-    def submit(self, seq: Seq) -> Waiter:
-        waiter = Waiter()
+    def submit(self, seq: Seq, *, stream: bool = True) -> Waiter:
+        waiter = Waiter(stream=stream)
         self._waiters[seq.rid] = waiter
         self.scheduler.add(seq)
         self._wake.set()
@@ -100,7 +102,8 @@ class StepDriver:
                 if ev.finished:
                     w.done = True
                     del self._waiters[ev.rid]
-                w.event.set()
+                if w.stream or ev.finished or ev.first:
+                    w.event.set()
             if self._on_step is not None:
                 self._on_step(plan)
 

@@ -865,7 +865,7 @@ class Api:
             if eng.config.prefix_caching
             else []
         )
-        waiter = driver.submit(Seq(rid, prompt_len, count, hashes))
+        waiter = driver.submit(Seq(rid, prompt_len, count, hashes), stream=gen.stream)
         try:
             while waiter.first_at is None and not waiter.done:
                 waiter.event.clear()
