@@ -259,6 +259,8 @@ class CacheAware(Balancer[L]):
         self.rng = rng or random.Random()
         self._indexes: dict[str, _PrefixIndex] = {}
         self._id_hashes: dict[str, int] = {}
+        self._turn = 0
+        self._last_matched: set[int] = set()
 
     # -------------------------------------------------------------- prefix state
 
@@ -303,14 +305,18 @@ class CacheAware(Balancer[L]):
 
     def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
         """``ready`` in affinity order for ``prefix``: the same on every router."""
-        return [ready[i] for i in self._ranked(ready, prefix)]
+        loads = [c.load / max(1, c.weight) for c in ready]
+        return [ready[i] for i in self._ranked(ready, prefix, loads)]
 
-    def _ranked(self, ready: Sequence[L], prefix: Sequence[int]) -> list[int]:
+    def _ranked(
+        self, ready: Sequence[L], prefix: Sequence[int], per_load: Sequence[float]
+    ) -> list[int]:
         depth = min(len(prefix), self.affinity_blocks)
         key = prefix[depth - 1]
+        self._turn += 1
         weights = [c.weight for c in ready]
         uniform = all(w == weights[0] for w in weights)
-        ranked: list[tuple[int, float, str, int]] = []
+        ranked: list[tuple[int, float, float, str, int]] = []
         indexes = self._indexes
         for i, c in enumerate(ready):
             match = 0
@@ -332,9 +338,17 @@ class CacheAware(Balancer[L]):
             score = (
                 float(mixed) if uniform else max(1, c.weight) / -math.log((mixed + 1) / (2**64 + 2))
             )
-            ranked.append((match, score, c.id, i))
+            if match:
+                # Among endpoints this router knows to hold the prefix (a hot prefix soon
+                # is on all of them), the less loaded first, and equals in turn (a
+                # counter, so two routers with one history still agree).
+                x = ((self._ident(c.id) ^ self._turn) * 0x9E3779B97F4A7C15) & _MASK
+                ranked.append((match, -per_load[i], float(x ^ (x >> 29)), c.id, i))
+            else:
+                ranked.append((0, 0.0, score, c.id, i))
         ranked.sort(reverse=True)
-        return [r[3] for r in ranked]
+        self._last_matched = {r[4] for r in ranked if r[0]}
+        return [r[4] for r in ranked]
 
     def pick(
         self,
@@ -355,11 +369,16 @@ class CacheAware(Balancer[L]):
             if prefix:
                 # Bounded load: with this request, within ceil((1 + eps) x the mean share).
                 per_weight = (1.0 + self.epsilon) * (sum(loads) + 1.0) / sum(weights)
-                order = self._ranked(ready, prefix)
-                best = next(
-                    (i for i in order if loads[i] + 1.0 <= math.ceil(per_weight * weights[i])),
-                    None,
-                )
+                order = self._ranked(ready, prefix, per_load)
+                allowed = [i for i in order if loads[i] + 1.0 <= math.ceil(per_weight * weights[i])]
+                best = allowed[0] if allowed else None
+                if best is not None and best not in self._last_matched and len(allowed) > 1:
+                    # A prefix this router has not sent anywhere yet: the less loaded of its
+                    # first two rendezvous choices (two choices, both the same on every
+                    # router), so unshared prompts balance nearly as well as by load alone.
+                    second = allowed[1]
+                    if second not in self._last_matched and per_load[second] < per_load[best]:
+                        best = second
                 if best is None:
                     # Ties go to the earlier in the ranking: still the same on every router.
                     best = min(order, key=per_load.__getitem__)
