@@ -17,10 +17,10 @@ from llmgw_proto.logs import setup_logging
 from llmgw_agent import __version__
 from llmgw_agent.adapters import adapter_for
 from llmgw_agent.config import AgentConfig, load_agent_config
+from llmgw_agent.engines import load_installed
 from llmgw_agent.inventory import collect_inventory, open_gpus
 from llmgw_agent.plan import Refused, plan
 from llmgw_agent.records import live_records
-from llmgw_agent.supervisor import load_installed
 from llmgw_agent.validation import NodeView, real_probes
 
 _ENGINE_NAMES = {"vllm": "ENGINE_KIND_VLLM", "sglang": "ENGINE_KIND_SGLANG"}

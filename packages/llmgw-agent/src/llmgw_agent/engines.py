@@ -24,9 +24,17 @@ from pathlib import Path
 import structlog
 from llmgw_proto import v1
 
+from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_flags import FlagSpec, captured, parse_help
 
-__all__ = ["InstalledEngine", "help_argv", "load_engine", "parse_version", "version_argv"]
+__all__ = [
+    "InstalledEngine",
+    "help_argv",
+    "load_engine",
+    "load_installed",
+    "parse_version",
+    "version_argv",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -234,3 +242,22 @@ def load_engine(
         except OSError as err:
             log.warning("cannot cache the engine help", path=str(cache), error=str(err))
     return InstalledEngine(kind, exe, version, spec)
+
+
+def load_installed(
+    config: AgentConfig, state_dir: Path, names: tuple[str, ...] = ("vllm", "sglang", "llamacpp")
+) -> dict[str, InstalledEngine]:
+    """Each engine kind's version and flags, as agent.yaml says to read them."""
+    out: dict[str, InstalledEngine] = {}
+    for name in names:
+        engine = getattr(config.engines, name)
+        out[name] = load_engine(
+            name,
+            engine.command,
+            engine.flags_from,
+            state_dir,
+            timeout=config.engine_probe_timeout,
+        )
+        if out[name].error:
+            log.warning("engine unusable", engine=name, error=out[name].error)
+    return out

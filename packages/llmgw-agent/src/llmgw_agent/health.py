@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from llmgw_agent.probe import http_get, metric_value
+from llmgw_agent.load import metric_values
+from llmgw_agent.probe import http_get
 
 __all__ = ["health_status", "running_requests"]
 
@@ -24,4 +25,4 @@ async def running_requests(metrics_url: str, metric: str) -> float | None:
         return None
     if status != 200:
         return None
-    return metric_value(body.decode(errors="replace"), metric)
+    return metric_values(body.decode(errors="replace"), [metric]).get(metric)

@@ -1,5 +1,7 @@
 """A tiny HTTP GET for engine health checks and metrics, on asyncio streams.
 
+(Metrics text is read by :func:`llmgw_agent.load.metric_values`, the one parser.)
+
 The agent wheel stays free of HTTP client libraries: a GPU node installs as
 little as possible. The request is HTTP/1.0 so no server answers with chunked
 encoding; a chunked reply is decoded anyway.
@@ -12,7 +14,7 @@ import contextlib
 import re
 from urllib.parse import urlsplit
 
-__all__ = ["http_get", "metric_value"]
+__all__ = ["http_get"]
 
 _MAX_BODY = 16 * 1024 * 1024
 
@@ -72,26 +74,3 @@ def _dechunk(data: bytes) -> bytes:
         out += rest[:size]
         data = rest[size + 2 :]
     return bytes(out)
-
-
-def metric_value(text: str, name: str) -> float | None:
-    """The sum of every sample of ``name`` in Prometheus text format; None if absent."""
-    total = 0.0
-    found = False
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        rest = line[len(name) :]
-        if rest[:1] not in ("{", " ", "\t"):
-            continue  # another metric whose name starts the same
-        if rest.startswith("{"):
-            rest = rest[rest.find("}") + 1 :] if "}" in rest else ""
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            total += float(fields[0])
-        except ValueError:
-            continue
-        found = True
-    return total if found else None

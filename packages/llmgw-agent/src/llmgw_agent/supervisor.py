@@ -25,7 +25,7 @@ from llmgw_proto import v1
 
 from llmgw_agent.adapters import Adapter, adapter_for
 from llmgw_agent.config import AgentConfig
-from llmgw_agent.engines import InstalledEngine, load_engine
+from llmgw_agent.engines import InstalledEngine, load_installed
 from llmgw_agent.health import health_status, running_requests
 from llmgw_agent.kv_events import KvSource
 from llmgw_agent.load import LoadSource
@@ -548,22 +548,3 @@ class Supervisor:
             log.warning("engine ignored SIGTERM; killing", shard=engine.shard_id, grace=grace)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(engine.pid, signal.SIGKILL)
-
-
-def load_installed(
-    config: AgentConfig, state_dir: Path, names: tuple[str, ...] = ("vllm", "sglang", "llamacpp")
-) -> dict[str, InstalledEngine]:
-    """Each engine kind's version and flags, as agent.yaml says to read them."""
-    out: dict[str, InstalledEngine] = {}
-    for name in names:
-        engine = getattr(config.engines, name)
-        out[name] = load_engine(
-            name,
-            engine.command,
-            engine.flags_from,
-            state_dir,
-            timeout=config.engine_probe_timeout,
-        )
-        if out[name].error:
-            log.warning("engine unusable", engine=name, error=out[name].error)
-    return out
