@@ -134,7 +134,8 @@ def test_a_second_signal_while_stopping_still_stops_everything(
         commands = [cmd for _, cmd in started.values()]
         assert sum("llmgw-control serve" in c for c in commands) == 1, commands
         assert sum("llmgw-agent run" in c for c in commands) == 2, commands
-        assert sum("llmgw-router serve" in c for c in commands) == 1, commands
+        # The router: a supervisor and its worker processes.
+        assert sum("llmgw-router serve" in c for c in commands) >= 1, commands
         # tiny-chat: 2 replicas of 1 shard, big-chat: 1 replica of 2 shards.
         assert sum("llmgw-sim vllm" in c for c in commands) == 4, commands
 

@@ -488,7 +488,7 @@ def tour(
         )
         wait_for(
             lambda: port_open(admin_port) or (control.tail() and not control.alive()),
-            timeout=30,
+            timeout=120,  # a loaded machine is slow to start Python programs
             what="control plane",
         )
         if not control.alive():
