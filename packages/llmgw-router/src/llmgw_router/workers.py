@@ -3,8 +3,8 @@
 With ``workers: 1`` none of this runs: the router is one process, as it always was.
 With more, the process started as `llmgw-router serve` becomes the supervisor:
 
-- Each worker is a fresh interpreter (:func:`worker_main`, its settings pickled on
-  stdin) running the whole router of :mod:`llmgw_router.server`
+- Each worker is forked from the supervisor, which imports everything first (so a
+  worker starts in milliseconds), and runs the whole router of :mod:`llmgw_router.server`
   (event loop, balancer, upstream pool, health checks, its own Watch subscription),
   with its own socket on the listen address (``SO_REUSEPORT``: the kernel spreads
   new connections over the workers' sockets, and nobody shares an accept queue).
@@ -44,11 +44,9 @@ import contextlib
 import ctypes
 import glob
 import os
-import pickle
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -241,18 +239,6 @@ class EjectionShare:
                 os.unlink(self.context.peer_socket)
 
 
-@dataclass(frozen=True)
-class _WorkerArgs:
-    context: WorkerContext
-    config: RouterConfig
-    static: tuple[EndpointSpec, ...]
-    insecure: bool
-    api_keys: tuple[ApiKey, ...]
-    log_level: str
-    log_format: str
-    supervisor: int
-
-
 def _die_with_parent() -> None:
     """SIGTERM (drain, then exit) when the supervisor dies, however it dies."""
     with contextlib.suppress(OSError, AttributeError):
@@ -261,24 +247,67 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
-def worker_main() -> None:
-    args: _WorkerArgs = pickle.load(sys.stdin.buffer)  # noqa: S301 - from our own supervisor
-    _die_with_parent()
-    if os.getppid() != args.supervisor:
-        raise SystemExit(1)  # the supervisor died before we asked to follow it
-    from llmgw_proto.logs import setup_logging
+class _Forked:
+    """A forked worker, with the little of `subprocess.Popen` the supervisor uses."""
 
-    setup_logging(args.log_level, args.log_format)
-    structlog.contextvars.bind_contextvars(worker=args.context.index)
-    from llmgw_router.server import run
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
 
-    run(
-        args.config,
-        args.static,
-        insecure=args.insecure,
-        api_keys=args.api_keys,
-        worker=args.context,
-    )
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _worker_child(supervisor: Supervisor, context: WorkerContext, inherited: list[Any]) -> None:
+    """In the forked child: drop what belongs to the supervisor, run one router, exit."""
+    code = 0
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        for sock in inherited:
+            # Detached first, so that the object can never close that number again
+            # once it belongs to one of this worker's own sockets.
+            raw = getattr(sock, "_sock", sock)  # asyncio's TransportSocket wraps one
+            with contextlib.suppress(OSError):
+                os.close(raw.detach())
+        _die_with_parent()
+        if os.getppid() != supervisor.pid:
+            os._exit(1)  # the supervisor died before we asked to follow it
+        structlog.contextvars.bind_contextvars(worker=context.index)
+        from llmgw_router.server import run
+
+        run(
+            supervisor.config,
+            supervisor.static,
+            insecure=supervisor.insecure,
+            api_keys=supervisor.api_keys,
+            worker=context,
+        )
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:  # the worker's last word, then out
+        log.exception("worker failed", worker=context.index)
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 # ---------------------------------------------------------------- /metrics of all workers
@@ -372,7 +401,7 @@ def _sample_order(sample: Any) -> tuple[Any, ...]:
 @dataclass
 class _Slot:
     index: int
-    proc: subprocess.Popen[bytes] | None = None
+    proc: _Forked | None = None
     started_at: float = 0.0
     up: bool = False  # its admin socket answered /healthz
     restarts: int = 0
@@ -407,7 +436,10 @@ class Supervisor:
         self.all_ready_once = False
         self.metrics = MetricsMerger()
         self.failed = False
+        self.pid = os.getpid()
         self._sessions: dict[int, Any] = {}
+        # Sockets of the supervisor's own that a forked worker closes at once.
+        self._inherited: list[Any] = []
 
     # -- workers
 
@@ -419,27 +451,16 @@ class Supervisor:
         for path in (context.admin_socket, context.peer_socket):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        args = _WorkerArgs(
-            context=context,
-            config=self.config,
-            static=self.static,
-            insecure=self.insecure,
-            api_keys=self.api_keys,
-            log_level=self.log_level,
-            log_format=self.log_format,
-            supervisor=os.getpid(),
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from llmgw_router.workers import worker_main; worker_main()"],
-            stdin=subprocess.PIPE,
-        )
-        assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps(args))
-        proc.stdin.close()
-        slot.proc = proc
+        # Forked, not a new interpreter: every module is imported already (see
+        # run_router), so a worker starts (and a dead one is replaced) in milliseconds
+        # rather than seconds of imports, and shares the supervisor's pages.
+        pid = os.fork()
+        if pid == 0:
+            _worker_child(self, context, self._inherited)
+        slot.proc = _Forked(pid)
         slot.up = False
         slot.started_at = time.monotonic()
-        log.info("worker started", worker=slot.index, pid=proc.pid)
+        log.info("worker started", worker=slot.index, pid=pid)
 
     def _session(self, slot: _Slot) -> Any:
         import aiohttp
@@ -692,8 +713,12 @@ class Supervisor:
         runner = web.AppRunner(self._admin_app(), access_log=None, handle_signals=False)
         await runner.setup()
         host, port = split_address(self.config.admin_listen)
+        self._inherited.append(reserved)
         try:
-            await web.TCPSite(runner, host, port, backlog=128).start()
+            site = web.TCPSite(runner, host, port, backlog=128)
+            await site.start()
+            server = getattr(site, "_server", None)
+            self._inherited += list(getattr(server, "sockets", None) or ())
         except OSError as err:
             log.error(
                 "cannot bind the admin address",
@@ -763,6 +788,11 @@ def run_router(
 
         run(config, static, insecure=insecure, api_keys=api_keys)
         return
+    # Imported before any worker is forked, so that none imports anything.
+    import llmgw_router.server
+
+    if config.control is not None:
+        import llmgw_router.watch  # noqa: F401
     supervisor = Supervisor(
         config,
         static,
