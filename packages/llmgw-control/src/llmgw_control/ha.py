@@ -209,6 +209,7 @@ class Leadership:
         self.leader_address = ""
         self.leader_instance = ""
         self.valid_until = 0.0
+        self._takeover: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         while True:
@@ -239,6 +240,11 @@ class Leadership:
         self.valid_until = started + self.ttl
         self.leader_instance, self.leader_address = self.instance, self.address
         log.info("elected leader", instance=self.instance, epoch=epoch)
+        # The takeover (reading the whole state) runs beside the renewals: a large
+        # fleet's state may take longer to read than the lease lasts.
+        self._takeover = asyncio.create_task(self._take(epoch))
+
+    async def _take(self, epoch: int) -> None:
         try:
             await self.on_elected(epoch)
         except Exception as err:  # a failed takeover gives the lead back
@@ -265,6 +271,9 @@ class Leadership:
         if not self.leading:
             return
         self.leading = False
+        takeover, self._takeover = self._takeover, None
+        if takeover is not None and takeover is not asyncio.current_task():
+            takeover.cancel()
         self.leader_address = self.leader_instance = ""
         log.error("lost the lead; dispatching stopped", instance=self.instance, why=why)
         self.on_lost(why)
