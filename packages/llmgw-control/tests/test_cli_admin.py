@@ -156,3 +156,20 @@ def test_status_tables_read_like_kubectl() -> None:
     assert "m.p.2  unplaced: too few free GPUs" in explained
     assert "wants 2, has 1: 0 of 1 nodes fit" in explained
     assert "nowhere" not in explained
+
+
+def test_lifecycle_metrics_are_computed_when_scraped() -> None:
+    from prometheus_client import generate_latest
+
+    metrics = Metrics()
+    scaling: dict[tuple[str, str], dict[str, Any]] = {("m", "p"): {"wanted": 3}}
+    rollouts: dict[tuple[str, str], dict[str, Any]] = {}
+    metrics.count_lifecycle(lambda: scaling, lambda: rollouts)
+    assert b'llmgw_control_wanted_replicas{model="m",profile="p"} 3.0' in generate_latest(
+        metrics.registry
+    )
+    rollouts[("m", "p")] = {"state": "stopped", "old": 2}
+    scaling[("m", "p")]["wanted"] = 4
+    text = generate_latest(metrics.registry)
+    assert b'llmgw_control_rollout_old_replicas{model="m",profile="p",state="stopped"} 2.0' in text
+    assert b'llmgw_control_wanted_replicas{model="m",profile="p"} 4.0' in text

@@ -139,6 +139,7 @@ class Controller:
         # replica id -> why routers may not reach its published URL (logged once each).
         self.address_problems: dict[str, str] = {}
         self.metrics.count_fleet(self.node_counts, self.replica_counts)
+        self.metrics.count_lifecycle(lambda: self.autoscaler.reasons, lambda: self.rollouts)
         # The state store (none until serve sets one): restores and writes what must
         # not be forgotten; see llmgw_control.store.keeper.
         self.keeper = StateKeeper(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -33,6 +34,36 @@ class _FleetCollector(Collector):
         for key, count in sorted(self.replicas().items()):
             replicas.add_metric(list(key), count)
         yield replicas
+
+
+# (model, profile) -> {"wanted": ...} per autoscaled profile; (model, profile) -> rollout.
+Scaling = Callable[[], Mapping[tuple[str, str], Mapping[str, Any]]]
+
+
+class _LifecycleCollector(Collector):
+    """What the autoscaler wants and which rollouts run, computed when scraped."""
+
+    def __init__(self, scaling: Scaling, rollouts: Scaling) -> None:
+        self.scaling = scaling
+        self.rollouts = rollouts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        wanted = GaugeMetricFamily(
+            "llmgw_control_wanted_replicas",
+            "Replicas the autoscaler wants, per autoscaled profile.",
+            labels=["model", "profile"],
+        )
+        for (model, profile), s in sorted(self.scaling().items()):
+            wanted.add_metric([model, profile], float(s["wanted"]))
+        yield wanted
+        rollouts = GaugeMetricFamily(
+            "llmgw_control_rollout_old_replicas",
+            "Replicas of an older revision left to replace, by rollout state.",
+            labels=["model", "profile", "state"],
+        )
+        for (model, profile), r in sorted(self.rollouts().items()):
+            rollouts.add_metric([model, profile, str(r["state"])], float(r["old"]))
+        yield rollouts
 
 
 # Heartbeat lag is dominated by event-loop delay: resolve the low milliseconds finely.
@@ -97,3 +128,6 @@ class Metrics:
 
     def count_fleet(self, nodes: NodeCounts, replicas: ReplicaCounts) -> None:
         self.registry.register(_FleetCollector(nodes, replicas))
+
+    def count_lifecycle(self, scaling: Scaling, rollouts: Scaling) -> None:
+        self.registry.register(_LifecycleCollector(scaling, rollouts))
