@@ -21,11 +21,12 @@ from llmgw_sim.testing import SIM, run_to_exit, start
 
 HELP_FILES = {
     "vllm": ("vllm", "vllm-0.32.0.txt", "0.32.0"),
+    "sglang": ("sglang", "sglang-0.5.23.txt", "0.5.23"),
     "llama-server": ("llamacpp", "llama-server-b11434.txt", "b11434"),
 }
 
 
-@pytest.mark.parametrize("kind", ["vllm", "llama-server"])
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "llama-server"])
 def test_accepts_exactly_the_options_of_the_captured_help(kind: EngineKind) -> None:
     agent_kind, name, version = HELP_FILES[kind]
     text = (resources.files("llmgw_agent") / "engine_help" / name).read_text(encoding="utf-8")

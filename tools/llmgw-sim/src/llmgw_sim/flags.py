@@ -10,10 +10,6 @@ with ``unrecognized arguments: ...``, llama-server exits 1 with
 
 What the simulator *does* with a flag is the small typed table below (name, type,
 default); every other accepted flag is only logged among the non-default args.
-SGLang 0.5.23's help has not been captured yet: until it is, a provisional text in
-``llmgw_sim/engine_help/`` (argparse's rendering of SGLang's ``server_args.py`` options)
-stands in, and a real capture in ``llmgw_agent/engine_help/`` replaces it with no
-change here.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Literal, NoReturn
 
 from llmgw_agent.engine_flags import FlagSpec, captured_text, captured_versions, parse_help
@@ -42,7 +37,6 @@ _AGENT_KIND: dict[EngineKind, str] = {
     "sglang": "sglang",
     "llama-server": "llamacpp",
 }
-_PROVISIONAL = {"sglang": ("0.5.23", "sglang-0.5.23-provisional.txt")}
 
 
 def human_readable_int(value: str) -> int:
@@ -78,10 +72,7 @@ def _check_kind(kind: str) -> EngineKind:
 
 def versions(kind: EngineKind) -> list[str]:
     """The versions whose help the simulator can stand in for, oldest first."""
-    found = captured_versions(_AGENT_KIND[_check_kind(kind)])
-    if not found and kind in _PROVISIONAL:
-        return [_PROVISIONAL[kind][0]]
-    return found
+    return captured_versions(_AGENT_KIND[_check_kind(kind)])
 
 
 def resolve_version(kind: EngineKind, wanted: str | None) -> str:
@@ -103,12 +94,7 @@ def resolve_version(kind: EngineKind, wanted: str | None) -> str:
 
 def help_text(kind: EngineKind, version: str | None = None) -> str:
     """The help text of that version, as the engine prints it."""
-    chosen = resolve_version(kind, version)
-    agent_kind = _AGENT_KIND[kind]
-    if chosen in captured_versions(agent_kind):
-        return captured_text(agent_kind, chosen)[1]
-    _, name = _PROVISIONAL[kind]
-    return (resources.files("llmgw_sim") / "engine_help" / name).read_text(encoding="utf-8")
+    return captured_text(_AGENT_KIND[kind], resolve_version(kind, version))[1]
 
 
 @functools.cache
