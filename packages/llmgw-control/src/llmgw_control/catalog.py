@@ -8,6 +8,7 @@ say, naming the file and field like every other config error.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -135,7 +136,7 @@ class ProfileSpec:
     def autoscaled(self) -> bool:
         return self.max_replicas > self.min_replicas
 
-    @property
+    @functools.cached_property
     def revision(self) -> str:
         """What the engine is started with; a change rolls the replicas (replicas alone scale)."""
         launch = (
