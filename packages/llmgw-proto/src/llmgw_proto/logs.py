@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
 
 import structlog
 
@@ -17,7 +16,6 @@ __all__ = ["LOG_FORMATS", "LOG_LEVELS", "setup_logging"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "console", "json")
-LogFormat = Literal["auto", "console", "json"]
 
 
 def setup_logging(level: str = "info", fmt: str = "auto", *, stream: object = None) -> None:
