@@ -143,3 +143,22 @@ def test_durations_scale_by_unit(number: float, unit: str) -> None:
 def test_bad_durations(bad: object) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(bad)
+
+
+class Range(BaseConfig):
+    min: int
+    max: int
+
+
+class Scaled(BaseConfig):
+    replicas: Annotated[int, msgspec.Meta(ge=0)] | Range = 1
+
+
+def test_a_number_or_object_field_names_the_object_fields(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "replicas: two\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, Scaled)
+    assert str(info.value) == (
+        f"{path}: $.replicas: Expected `int | object`, got `str` "
+        "(the object form has the fields min, max)"
+    )

@@ -209,6 +209,20 @@ def _type_at(type_: type[Any], path: str) -> msgspec.inspect.Type | None:
             return None
 
 
+def _type_at_field(type_: type[Any], path: str) -> msgspec.inspect.Type | None:
+    """The declared type of the field at ``path``, unions kept whole."""
+    parent, sep, name = path.rpartition(".")
+    if not sep:
+        return None
+    container = _type_at(type_, parent)
+    if isinstance(container, msgspec.inspect.StructType):
+        for field in container.fields:
+            if field.encode_name == name:
+                inner = field.type
+                return inner.type if isinstance(inner, msgspec.inspect.Metadata) else inner
+    return None
+
+
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 
 
@@ -225,6 +239,16 @@ def _helpful(message: str, type_: type[Any], path: str) -> str:
             values = [str(v) for v in found.values]
         if values:
             return f"{message}: expected one of {', '.join(repr(v) for v in values)}"
+    if message.startswith("Expected `") and "object" in message:
+        # A number-or-object field (``replicas: 2`` or ``replicas: {min: 1, max: 4}``):
+        # say which fields the object form takes.
+        found = msgspec.inspect.type_info(type_) if path == "$" else _type_at_field(type_, path)
+        structs = [
+            t for t in getattr(found, "types", ()) if isinstance(t, msgspec.inspect.StructType)
+        ]
+        if len(structs) == 1:
+            fields = ", ".join(f.encode_name for f in structs[0].fields)
+            return f"{message} (the object form has the fields {fields})"
     unknown = _UNKNOWN.match(message)
     if unknown:
         found = _type_at(type_, path)
