@@ -551,3 +551,39 @@ async def test_a_leader_steps_down_within_its_lease(mode: str) -> None:
         assert backend.released >= 1
     finally:
         task.cancel()
+
+
+@pytest.mark.parametrize("leader", ["", "127.0.0.1:7171"])
+async def test_a_standby_refuses_with_the_leaders_address(leader: str) -> None:
+    import grpclib.client
+    import grpclib.const
+    import grpclib.server
+    from grpclib.exceptions import GRPCError
+    from llmgw_control.ha import LEADER_METADATA, LeaderGate
+    from llmgw_control.publish import Publisher
+
+    gate = LeaderGate([Publisher()], lambda: False, lambda: leader)
+    server = grpclib.server.Server([gate])
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    channel = grpclib.client.Channel("127.0.0.1", port)
+    try:
+        async with channel.request(
+            "/llmgw.v1.EndpointService/Watch",
+            grpclib.const.Cardinality.UNARY_STREAM,
+            v1.WatchRequest,
+            v1.EndpointSnapshot,
+        ) as stream:
+            await stream.send_message(v1.WatchRequest(router_id="r"), end=True)
+            with pytest.raises(GRPCError) as err:
+                await stream.recv_message()
+            assert err.value.status == grpclib.const.Status.UNAVAILABLE
+            trailers = dict(stream.trailing_metadata or {})
+            assert trailers.get(LEADER_METADATA) == (leader or None)
+            assert ("the leader is " + leader if leader else "no leader known") in str(
+                err.value.message
+            )
+    finally:
+        channel.close()
+        server.close()
+        await server.wait_closed()

@@ -295,7 +295,7 @@ class LeaderGate:
     """Wraps gRPC services so that only the leader serves them.
 
     A standby answers every call with UNAVAILABLE and the leader's address in the
-    trailing metadata ``llmgw-leader`` (empty while no leader is known); when the
+    trailing metadata ``llmgw-leader`` (left out while no leader is known); when the
     lead is lost, every call in progress (agent streams, watches) is ended so its
     client finds the new leader.
     """
@@ -354,7 +354,8 @@ class LeaderGate:
                 if address
                 else "not the leader; no leader known yet"
             ),
-            metadata={LEADER_METADATA: address},
+            # No trailer while no leader is known (grpclib refuses an empty value).
+            metadata={LEADER_METADATA: address} if address else None,
         )
 
     def end_all(self) -> None:
