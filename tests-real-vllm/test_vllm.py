@@ -167,14 +167,13 @@ def test_every_flag_the_adapter_emitted_is_in_the_real_help(serving: Cluster, en
     known = help_flags(engine.captured_help.read_text())
     assert len(known) > 300  # the parse found the engine's options
     assert flags <= known, sorted(flags - known)
-    # The capture in the repo is what this engine prints: the agent read the installed
-    # engine's help itself (cached under its state dir) and its every line is there.
+    # The capture in the repo is what this engine accepts: the agent read the installed
+    # engine's help itself (cached under its state dir) and it has exactly the same flags.
+    # (Not line for line: SGLang's usage lines wrap choice lists that vary between runs.)
     pattern = f"{engine.kind}-{engine.version}-*.txt"
     cached = sorted((serving.state_dir("cpu-a") / "engine-help").glob(pattern))
     assert cached, "the agent did not read the engine's own help"
-    real = cached[0].read_text().splitlines()
-    captured = engine.captured_help.read_text().splitlines()
-    assert [line for line in real if line in set(captured)] == captured
+    assert help_flags(cached[0].read_text()) == known
 
 
 def test_chat_completion_through_the_router(serving: Cluster) -> None:
