@@ -765,6 +765,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
                 try:
                     results.update(asyncio.run(failover_phase(args, Path(tmp))))
+                except SystemExit as err:
+                    # The figures measured so far are still worth printing.
+                    print(f"failover phase failed: {err}")
                 finally:
                     for name in ("a", "b"):
                         log = Path(tmp) / f"{name}.log"
