@@ -176,7 +176,9 @@ def check_state(config: ControlConfig, source: str) -> None:
         raise ConfigError(source, "state_dir must not be empty", "$.state.state_dir")
     if st.backend == "etcd":
         if not st.etcd.endpoints:
-            raise ConfigError(source, "at least one etcd endpoint is needed", "$.state.etcd.endpoints")
+            raise ConfigError(
+                source, "at least one etcd endpoint is needed", "$.state.etcd.endpoints"
+            )
         for i, ep in enumerate(st.etcd.endpoints):
             try:
                 split_hostport(ep.split("://", 1)[-1])
