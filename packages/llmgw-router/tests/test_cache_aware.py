@@ -44,21 +44,35 @@ prompts = st.binary(min_size=0, max_size=2000)
 epsilons = st.sampled_from([0.0, 0.1, 0.25, 1.0])
 
 
-def bound_holds(picked: Cand, ready: list[Cand], epsilon: float) -> bool:
-    """(1 + epsilon) x the mean, with this request, rounded up; else the least loaded."""
+slacks = st.sampled_from([0.0, 1.0, 3.0])
+
+
+def bound_holds(picked: Cand, ready: list[Cand], epsilon: float, slack: float) -> bool:
+    """ceil((1 + epsilon) x its share, with this request) + slack; else the least loaded."""
     total = sum(c.load for c in ready)
     weight = sum(c.weight for c in ready)
-    cap = math.ceil((1 + epsilon) * (total + 1) / weight * picked.weight)
+    cap = math.ceil((1 + epsilon) * (total + 1) / weight * picked.weight) + (
+        slack * picked.weight * len(ready) / weight
+    )
     least = min(c.load / c.weight for c in ready)
     return picked.load + 1 <= cap or picked.load / picked.weight == least
 
 
 @settings(max_examples=300)
-@given(candidates, st.lists(prompts, min_size=1, max_size=6), epsilons, st.integers(0, 2**32))
+@given(
+    candidates,
+    st.lists(prompts, min_size=1, max_size=6),
+    epsilons,
+    slacks,
+    st.integers(1, 8),
+    st.integers(0, 2**32),
+)
 def test_bounded_load_holds(
-    cands: list[Cand], history: list[bytes], epsilon: float, seed: int
+    cands: list[Cand], history: list[bytes], epsilon: float, slack: float, window: int, seed: int
 ) -> None:
-    balancer = CacheAware[Cand](epsilon=epsilon, affinity_blocks=2, rng=random.Random(seed))
+    balancer = CacheAware[Cand](
+        epsilon=epsilon, slack=slack, window=window, affinity_blocks=2, rng=random.Random(seed)
+    )
     ready = [c for c in cands if c.up]
     for prompt in history:
         picked = balancer.pick(cands, usable, None, prefix_blocks(prompt, 64, 64))
@@ -68,7 +82,7 @@ def test_bounded_load_holds(
         assert picked is not None
         assert picked.up
         if len(ready) > 1:
-            assert bound_holds(picked, ready, epsilon)
+            assert bound_holds(picked, ready, epsilon, slack)
         # Load moves as it would: the pick is charged.
         picked.load += 1
 
@@ -92,11 +106,18 @@ def test_same_prefix_same_endpoint_on_two_routers(
 
 def test_a_shared_prefix_sticks_and_a_hot_one_spreads() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
-    balancer = CacheAware[Cand](epsilon=0.25, affinity_blocks=4)
+    balancer = CacheAware[Cand](epsilon=0.25, slack=0.0, affinity_blocks=4)
     system = b"You are the support assistant of tenant 7. " * 40
     blocks = [prefix_blocks(system + f"question {i}".encode(), 128, 512) for i in range(40)]
-    # Idle fleet (each request finishes before the next): one endpoint takes the prefix.
-    assert len({balancer.pick(cands, usable, None, b).id for b in blocks}) == 1  # type: ignore[union-attr]
+    # Idle fleet (each request finishes before the next), the prefix one of many: one
+    # endpoint takes it.
+    homes: set[str] = set()
+    for i, b in enumerate(blocks):
+        for t in range(8):
+            other = f"tenant {t} of many, question {i}. ".encode() * 40
+            balancer.pick(cands, usable, None, prefix_blocks(other, 128, 512))
+        homes.add(balancer.pick(cands, usable, None, b).id)  # type: ignore[union-attr]
+    assert len(homes) == 1
     # All at once (nothing finishes): bounded load spreads the hot prefix over all four,
     # never more than the bound above the mean.
     picks: Counter[str] = Counter()
@@ -107,6 +128,61 @@ def test_a_shared_prefix_sticks_and_a_hot_one_spreads() -> None:
         picks[picked.id] += 1
     assert len(picks) == 4
     assert max(c.load for c in cands) <= math.ceil(1.25 * 40 / 4)
+
+
+def test_small_counts_keep_affinity_within_the_slack() -> None:
+    """Tenants at 1-3 requests in flight per engine: one more is within the slack."""
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand](epsilon=0.25, slack=3.0, affinity_blocks=4)
+    tenants = [f"You are the assistant of tenant {t}. ".encode() * 40 for t in range(32)]
+    home = {
+        t: balancer.pick(cands, usable, None, prefix_blocks(p, 128, 512))
+        for t, p in enumerate(tenants)
+    }
+    rng = random.Random(7)
+    for i in range(400):
+        for c in cands:
+            c.load = float(rng.randint(0, 2))
+        t = rng.randrange(32)
+        picked = balancer.pick(cands, usable, None, prefix_blocks(tenants[t] + b"%d" % i, 128, 512))
+        assert picked is home[t]
+
+
+def test_hot_prefix_spreads_evenly_while_nothing_queues() -> None:
+    """Every request one prefix, each finishing before the next: the demand (its share of
+    the recent picks) spreads it over every endpoint, evenly."""
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand](epsilon=0.25, slack=3.0, affinity_blocks=4)
+    system = b"One system prompt for all. " * 60
+    picks = Counter(
+        balancer.pick(cands, usable, None, prefix_blocks(system + b"%d" % i, 128, 512)).id  # type: ignore[union-attr]
+        for i in range(400)
+    )
+    assert len(picks) == 4
+    assert max(picks.values()) <= 1.25 * 100
+
+
+def test_an_over_bound_spill_goes_to_the_least_loaded_then_stays_with_the_holders() -> None:
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand](epsilon=0.25, slack=1.0, affinity_blocks=4)
+    prompt = b"tenant prefix " * 80
+    home = balancer.pick(cands, usable, None, prefix_blocks(prompt, 128, 512))
+    assert home is not None
+    home.load = 10.0
+    others = [c for c in cands if c is not home]
+    for load, c in zip((3.0, 1.0, 2.0), others, strict=True):
+        c.load = load
+    spill = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512))
+    assert spill is others[1]
+    # While the home stays over the bound, the prefix goes to the holder within it
+    # (a cache hit), even when another endpoint is less loaded now.
+    others[1].load = 2.0
+    others[2].load = 0.0
+    again = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512))
+    assert again is others[1]
+    # Back within the bound: home again.
+    home.load = 1.0
+    assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"z", 128, 512)) is home
 
 
 def test_different_prefixes_spread_over_the_endpoints() -> None:
@@ -169,9 +245,10 @@ def test_no_prefix_goes_to_the_least_loaded() -> None:
 
 
 def test_make_balancer_takes_the_config() -> None:
-    balancer = make_balancer("cache_aware", cache_aware=CacheAwareConfig(epsilon=0.5))
+    config = CacheAwareConfig(epsilon=0.5, slack=1.5, window=64)
+    balancer = make_balancer("cache_aware", cache_aware=config)
     assert isinstance(balancer, CacheAware)
-    assert balancer.epsilon == 0.5
+    assert (balancer.epsilon, balancer.slack, balancer.window) == (0.5, 1.5, 64)
 
 
 @given(st.binary(max_size=3000), st.binary(max_size=3000), st.sampled_from([16, 64, 128]))

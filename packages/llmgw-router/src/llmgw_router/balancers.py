@@ -11,6 +11,7 @@ import hashlib
 import math
 import random
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -230,16 +231,24 @@ class CacheAware(Balancer[L]):
     - Affinity: the request's prefix blocks (chained hashes of its prompt, see prefix.py)
       rank the endpoints by rendezvous hashing of the block at depth ``affinity_blocks``
       (or the last, for shorter prompts), so routers that never talk agree on where a
-      prefix goes. What this router itself sent refines that: an endpoint that was sent
-      more of this prefix than the rendezvous block covers ranks first.
+      prefix goes. What this router itself sent refines that: endpoints that were sent
+      more of this prefix than the rendezvous block covers (its holders) rank first, the
+      longer match first, equals in rendezvous order (so a prefix stays where it is).
+    - Demand: the share ``s`` of this router's last ``window`` picks that carried the
+      prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
+      ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
+      first ``need`` rendezvous choices and its holders, the least loaded of them first
+      (equals in turn): one hot prefix spreads over as many replicas as its load needs, in
+      the same order on every router.
     - Load: each candidate's ``load`` (the engine's running + waiting requests and KV use
       plus this router's requests since that report, or this router's own in-flight count
       when the engine's figures are unknown or stale).
-    - Bounded load: the first endpoint in that ranking whose load, with this request, stays
-      within ``ceil((1 + epsilon) * (total + 1) * weight / total_weight)`` takes it; so one
-      hot prefix spreads over as many endpoints as its load needs, in the same order on
-      every router. When none is within the bound (never with whole-number loads), the
-      least loaded takes it.
+    - Bounded load: the first endpoint of that ranking takes the request when its load,
+      with this request, stays within ``ceil((1 + epsilon) * (total + 1) * weight /
+      total_weight) + slack * weight / mean_weight``; the absolute ``slack`` (requests)
+      keeps affinity at the small in-flight counts where one request more is already 25 %
+      over the mean. Over the bound, the least loaded holder within it takes the request
+      (a cache hit still), else the least loaded endpoint (which then holds the prefix).
     - Without a prefix (embeddings), the least loaded takes it.
 
     An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
@@ -249,18 +258,23 @@ class CacheAware(Balancer[L]):
         self,
         *,
         epsilon: float = 0.25,
+        slack: float = 3.0,
         affinity_blocks: int = 8,
         index_blocks: int = 16384,
+        window: int = 256,
         rng: random.Random | None = None,
     ) -> None:
         self.epsilon = epsilon
+        self.slack = slack
         self.affinity_blocks = affinity_blocks
         self.index_blocks = index_blocks
+        self.window = max(1, window)
         self.rng = rng or random.Random()
         self._indexes: dict[str, _PrefixIndex] = {}
         self._id_hashes: dict[str, int] = {}
         self._turn = 0
-        self._last_matched: set[int] = set()
+        self._recent: deque[int] = deque()
+        self._recent_counts: dict[int, int] = {}
 
     # -------------------------------------------------------------- prefix state
 
@@ -301,34 +315,35 @@ class CacheAware(Balancer[L]):
             ident = self._id_hashes[endpoint_id] = zlib.crc32(raw) | (zlib.adler32(raw) << 32)
         return ident
 
+    def share(self, key: int) -> float:
+        """The share of the recent picks (this one included) whose rendezvous block is ``key``."""
+        recent, counts = self._recent, self._recent_counts
+        recent.append(key)
+        counts[key] = counts.get(key, 0) + 1
+        if len(recent) > self.window:
+            old = recent.popleft()
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+        # Until the window fills, as if the rest of it were other prefixes (16 at least),
+        # so the first requests of a run do not all look hot.
+        return counts[key] / max(len(recent), min(16, self.window))
+
     # -------------------------------------------------------------- the pick
 
     def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
-        """``ready`` in affinity order for ``prefix``: the same on every router."""
-        loads = [c.load / max(1, c.weight) for c in ready]
-        return [ready[i] for i in self._ranked(ready, prefix, loads)]
-
-    def _ranked(
-        self, ready: Sequence[L], prefix: Sequence[int], per_load: Sequence[float]
-    ) -> list[int]:
+        """``ready`` in rendezvous order for ``prefix`` (no history, no load): the same on
+        every router."""
         depth = min(len(prefix), self.affinity_blocks)
-        key = prefix[depth - 1]
-        self._turn += 1
+        return [ready[i] for i in self._rendezvous(ready, prefix[depth - 1])]
+
+    def _rendezvous(self, ready: Sequence[L], key: int) -> list[int]:
         weights = [c.weight for c in ready]
         uniform = all(w == weights[0] for w in weights)
-        ranked: list[tuple[int, float, float, str, int]] = []
-        indexes = self._indexes
+        scored: list[tuple[float, str, int]] = []
         for i, c in enumerate(ready):
-            match = 0
-            index = indexes.get(c.id)
-            if index is not None:
-                if index.generation != c.generation:
-                    del indexes[c.id]
-                else:
-                    match = index.match(prefix)
-                    if match <= depth:
-                        # Within what the rendezvous block covers: hashing decides.
-                        match = 0
             # splitmix64 of the block and the endpoint, inlined (see _mix).
             x = ((key ^ self._ident(c.id)) + 0x9E3779B97F4A7C15) & _MASK
             x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
@@ -338,17 +353,31 @@ class CacheAware(Balancer[L]):
             score = (
                 float(mixed) if uniform else max(1, c.weight) / -math.log((mixed + 1) / (2**64 + 2))
             )
-            if match:
-                # Among endpoints this router knows to hold the prefix (a hot prefix soon
-                # is on all of them), the less loaded first, and equals in turn (a
-                # counter, so two routers with one history still agree).
-                x = ((self._ident(c.id) ^ self._turn) * 0x9E3779B97F4A7C15) & _MASK
-                ranked.append((match, -per_load[i], float(x ^ (x >> 29)), c.id, i))
-            else:
-                ranked.append((0, 0.0, score, c.id, i))
-        ranked.sort(reverse=True)
-        self._last_matched = {r[4] for r in ranked if r[0]}
-        return [r[4] for r in ranked]
+            scored.append((score, c.id, i))
+        scored.sort(reverse=True)
+        return [r[2] for r in scored]
+
+    def _matches(self, ready: Sequence[L], prefix: Sequence[int], depth: int) -> list[int]:
+        """Per candidate: leading blocks of ``prefix`` sent there, 0 when no more than the
+        rendezvous block covers (there hashing decides)."""
+        out = [0] * len(ready)
+        indexes = self._indexes
+        for i, c in enumerate(ready):
+            index = indexes.get(c.id)
+            if index is None:
+                continue
+            if index.generation != c.generation:
+                del indexes[c.id]
+                continue
+            match = index.match(prefix)
+            if match > depth:
+                out[i] = match
+        return out
+
+    def bound(self, load_total: float, weight: int, weight_total: int, n: int) -> float:
+        """The most load an endpoint of ``weight`` may have with this request on it."""
+        share = (load_total + 1.0) * weight / weight_total
+        return math.ceil((1.0 + self.epsilon) * share) + self.slack * weight * n / weight_total
 
     def pick(
         self,
@@ -362,34 +391,60 @@ class CacheAware(Balancer[L]):
             return None
         if len(ready) == 1:
             chosen = ready[0]
+        elif prefix:
+            chosen = ready[self._pick_prefix(ready, prefix)]
         else:
-            loads = [c.load for c in ready]
-            weights = [max(1, c.weight) for c in ready]
-            per_load = [load / w for load, w in zip(loads, weights, strict=True)]
-            if prefix:
-                # Bounded load: with this request, within ceil((1 + eps) x the mean share).
-                per_weight = (1.0 + self.epsilon) * (sum(loads) + 1.0) / sum(weights)
-                order = self._ranked(ready, prefix, per_load)
-                allowed = [i for i in order if loads[i] + 1.0 <= math.ceil(per_weight * weights[i])]
-                best = allowed[0] if allowed else None
-                if best is not None and best not in self._last_matched and len(allowed) > 1:
-                    # A prefix this router has not sent anywhere yet: the less loaded of its
-                    # first two rendezvous choices (two choices, both the same on every
-                    # router), so unshared prompts balance nearly as well as by load alone.
-                    second = allowed[1]
-                    if second not in self._last_matched and per_load[second] < per_load[best]:
-                        best = second
-                if best is None:
-                    # Ties go to the earlier in the ranking: still the same on every router.
-                    best = min(order, key=per_load.__getitem__)
-                chosen = ready[best]
-            else:
-                least = min(per_load)
-                chosen = self.rng.choice(
-                    [c for c, load in zip(ready, per_load, strict=True) if load == least]
-                )
+            per_load = [c.load / max(1, c.weight) for c in ready]
+            least = min(per_load)
+            chosen = self.rng.choice(
+                [c for c, load in zip(ready, per_load, strict=True) if load == least]
+            )
         self._record(chosen, prefix)
         return chosen
+
+    def _pick_prefix(self, ready: Sequence[L], prefix: Sequence[int]) -> int:
+        n = len(ready)
+        loads = [c.load for c in ready]
+        weights = [max(1, c.weight) for c in ready]
+        per_load = [load / w for load, w in zip(loads, weights, strict=True)]
+        depth = min(len(prefix), self.affinity_blocks)
+        block = prefix[depth - 1]
+        self._turn += 1
+        order = self._rendezvous(ready, block)
+        match = self._matches(ready, prefix, depth)
+        # Holders: the longer match first, equals in rendezvous order (sort is stable).
+        holders = sorted((i for i in order if match[i]), key=lambda i: -match[i])
+        need = min(n, math.ceil(self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
+        if need > 1:
+            # A hot prefix: its first `need` rendezvous choices and its holders, least
+            # loaded first, equals in turn (a counter: two routers with one history agree).
+            group = set(order[:need]).union(holders)
+            spread = sorted((i for i in order if i in group), key=per_load.__getitem__)
+            tied = [i for i in spread if per_load[i] == per_load[spread[0]]]
+            turn = self._turn % len(tied)
+            ranking = tied[turn:] + tied[:turn] + spread[len(tied) :]
+            ranking += [i for i in order if i not in group]
+        else:
+            rest = [i for i in order if not match[i]]
+            if not holders and per_load[rest[1]] < per_load[rest[0]]:
+                # A prefix this router has not sent anywhere yet: the less loaded of its
+                # first two rendezvous choices (the same two on every router), so unshared
+                # prompts balance nearly as well as by load alone.
+                rest[0], rest[1] = rest[1], rest[0]
+            ranking = holders + rest
+        total = sum(loads)
+        weight_total = sum(weights)
+        first = ranking[0]
+        if loads[first] + 1.0 <= self.bound(total, weights[first], weight_total, n):
+            return first
+        # Over the bound: the least loaded holder within it (the prefix is cached there),
+        # else the least loaded of all; ties go to the earlier in the ranking.
+        within = [
+            i
+            for i in ranking
+            if match[i] and loads[i] + 1.0 <= self.bound(total, weights[i], weight_total, n)
+        ]
+        return min(within or ranking, key=per_load.__getitem__)
 
 
 def make_balancer(
@@ -400,6 +455,8 @@ def make_balancer(
             return CacheAware()
         return CacheAware(
             epsilon=cache_aware.epsilon,
+            slack=cache_aware.slack,
+            window=cache_aware.window,
             affinity_blocks=cache_aware.affinity_blocks,
             index_blocks=cache_aware.index_blocks,
         )

@@ -116,9 +116,17 @@ class CacheAwareConfig(BaseConfig):
     affinity_blocks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8
     # Only this many blocks of a prompt are hashed (longer prompts share their start).
     max_blocks: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
-    # Bounded load: affinity never sends to an endpoint whose load would exceed
-    # ceil((1 + epsilon) x the model's mean); the next choice takes it instead.
+    # Bounded load: affinity never sends to an endpoint whose load, with the request,
+    # would exceed ceil((1 + epsilon) x its share of the model's load) + slack requests
+    # (scaled by weight / mean weight); the least loaded takes it instead. A prefix that
+    # wants more than (1 + epsilon) x one endpoint's fair share spreads over
+    # ceil(share x endpoints / (1 + epsilon)) of them.
     epsilon: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.25
+    # The absolute part of the bound, in requests: at small in-flight counts one request
+    # more is already far above (1 + epsilon) x the mean, and spilling there costs a miss.
+    slack: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 3.0
+    # A prefix's demand is its share of this router's last this-many picks.
+    window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
     # Prefix blocks remembered per endpoint of what this router sent (LRU).
     index_blocks: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 16384
 
