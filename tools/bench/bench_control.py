@@ -628,6 +628,13 @@ async def leads(control: ControlProcess) -> bool:
     return False
 
 
+def spread(pid: int) -> None:
+    """Let every thread of ``pid`` run on any core of the machine."""
+    for thread in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(thread.name), os.sched_getaffinity(1) or {0, 1})
+
+
 async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     """Two HA instances on a real etcd (or PostgreSQL); SIGKILL the leader with N agents."""
     from llmgw_testkit.servers import Etcd, Postgres
@@ -639,6 +646,9 @@ async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, f
     else:
         server = Postgres(workdir / "pg")
         state = {"backend": "postgres", "postgres": {"dsn": server.dsn}}
+    # The store server may use every core: started from this (fleet) process it would
+    # share the fleet's core, and a starved etcd answers keep-alives too late.
+    spread(server.proc.pid)
     results: dict[str, float] = {}
     instances = []
     for name in ("a", "b"):
@@ -739,6 +749,7 @@ def main() -> None:
     )
     parser.add_argument("--lease", type=float, default=5.0, help="HA lease_ttl, seconds")
     parser.add_argument("--skip-placement", action="store_true")
+    parser.add_argument("--only-failover", action="store_true", help="the failover phase alone")
     args = parser.parse_args()
 
     cores = os.sched_getaffinity(0)
@@ -751,7 +762,7 @@ def main() -> None:
         f"{sorted(others) or sorted(cores)}; heartbeat every {args.heartbeat:g}s"
     )
     results: dict[str, float] = {}
-    if not args.skip_fleet:
+    if not args.skip_fleet and not args.only_failover:
         with tempfile.TemporaryDirectory(prefix="bench-control-") as tmp:
             try:
                 results.update(asyncio.run(fleet_phases(args, Path(tmp))))
@@ -761,20 +772,20 @@ def main() -> None:
                     errors = [ln for ln in log.read_text().splitlines() if '"error"' in ln]
                     if errors:
                         print(f"control logged {len(errors)} error(s); first: {errors[0][:300]}")
-        if args.failover != "none":
-            with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
-                try:
-                    results.update(asyncio.run(failover_phase(args, Path(tmp))))
-                except SystemExit as err:
-                    # The figures measured so far are still worth printing.
-                    print(f"failover phase failed: {err}")
-                finally:
-                    for name in ("a", "b"):
-                        log = Path(tmp) / f"{name}.log"
-                        if log.exists():
-                            errors = [ln for ln in log.read_text().splitlines() if '"error"' in ln]
-                            if errors:
-                                print(f"{name} logged {len(errors)} error(s): {errors[0][:300]}")
+    if not args.skip_fleet and args.failover != "none":
+        with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
+            try:
+                results.update(asyncio.run(failover_phase(args, Path(tmp))))
+            except SystemExit as err:
+                # The figures measured so far are still worth printing.
+                print(f"failover phase failed: {err}")
+            finally:
+                for name in ("a", "b"):
+                    log = Path(tmp) / f"{name}.log"
+                    if log.exists():
+                        errors = [ln for ln in log.read_text().splitlines() if '"error"' in ln]
+                        if errors:
+                            print(f"{name} logged {len(errors)} error(s): {errors[0][:300]}")
     if not args.skip_placement:
         results.update(placement_phase(500, 1000, 3))
     report(results)
