@@ -72,9 +72,9 @@ TENANTS = 32
 LLMGW = ("round_robin", "least_outstanding", "cache_aware")
 PEER_TARGETS = ("sglang-router", "vllm-router")
 WORKLOADS = {"a": "tenants", "b": "unique", "c": "hot", "d": "tenants x4"}
-# --cache-aware-epsilon: the bounded-load slack given to llmgw's cache_aware (router default
-# when empty).
-EPSILON: list[float] = []
+# --cache-aware-epsilon / --cache-aware-slack: the bounded-load settings given to llmgw's
+# cache_aware (the router's defaults for those not set).
+CACHE_AWARE: dict[str, float] = {}
 
 
 @dataclass(frozen=True)
@@ -321,8 +321,8 @@ def router_up(
                             "balancer": target,
                             "workers": 1,
                             **(
-                                {"cache_aware": {"epsilon": EPSILON[0]}}
-                                if EPSILON and target == "cache_aware"
+                                {"cache_aware": dict(CACHE_AWARE)}
+                                if CACHE_AWARE and target == "cache_aware"
                                 else {}
                             ),
                             "endpoints": [
@@ -512,10 +512,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="bounded-load epsilon for llmgw's cache_aware (default: the router's own)",
     )
+    parser.add_argument(
+        "--cache-aware-slack",
+        type=float,
+        help="bounded-load slack (requests) for llmgw's cache_aware (default: the router's own)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.cache_aware_epsilon is not None:
-        EPSILON.append(args.cache_aware_epsilon)
+        CACHE_AWARE["epsilon"] = args.cache_aware_epsilon
+    if args.cache_aware_slack is not None:
+        CACHE_AWARE["slack"] = args.cache_aware_slack
     use_uvloop()
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)
     targets = [t for t in args.targets if t in LLMGW or (PEERS / t).exists()]
