@@ -718,6 +718,9 @@ async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, f
 
 
 def report(results: dict[str, float]) -> None:
+    if not results:
+        print("\nnothing measured")
+        return
     width = max(len(k) for k in results)
     print(f"\n{'measure'.ljust(width)}  {'value':>10}  {'target':>8}  {'ratio':>6}")
     for name, value in results.items():
