@@ -221,6 +221,7 @@ replicas = st.builds(
     draining=st.booleans(),
     created_at=st.floats(0, 1e6),
     ready_since=st.none() | st.floats(0, 1e6),
+    revision=st.sampled_from(["", "3f2a9c", "b71e04"]),
 )
 
 
@@ -233,6 +234,8 @@ def test_replicas_come_back_as_they_were(r: Replica) -> None:
     # Session fields are per stream: a restored plan has not been sent anywhere yet.
     assert encode_replica(back, clock) == raw
     assert [p.start_session for p in back.shards] == [""] * len(r.shards)
+    # The revision says which side of a rollout the replica is on.
+    assert back.revision == r.revision
 
 
 def test_a_restored_node_is_unreachable_as_if_just_dropped() -> None:

@@ -152,6 +152,8 @@ def encode_replica(r: Replica, clock: Clock) -> bytes:
             "ready_since": _opt_wall(clock, r.ready_since),
             "draining": r.draining,
             "drain_deadline": clock.to_wall(r.drain_deadline) if r.drain_deadline else 0.0,
+            # The profile revision it runs: a rollout in progress goes on after a restart.
+            "revision": r.revision,
         }
     )
 
@@ -269,6 +271,7 @@ def _replica(d: dict[str, Any], clock: Clock) -> Replica:
         ready_since=clock.to_mono(ready) if ready is not None else None,
         draining=bool(d.get("draining", False)),
         drain_deadline=clock.to_mono(d["drain_deadline"]) if d.get("drain_deadline") else 0.0,
+        revision=d.get("revision", ""),
     )
 
 
