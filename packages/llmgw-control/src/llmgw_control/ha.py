@@ -19,7 +19,7 @@ import json
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]
 import structlog
@@ -29,6 +29,7 @@ from llmgw_control.store.base import StoreError
 
 __all__ = ["Backend", "EtcdBackend", "Leadership", "PostgresBackend", "default_instance_id"]
 
+T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 
@@ -220,14 +221,14 @@ class Leadership:
 
     async def _campaign(self) -> None:
         try:
-            epoch = await asyncio.wait_for(self.backend.acquire(), self.ttl)
+            epoch = await _within(self.backend.acquire(), self.ttl)
         except (StoreError, TimeoutError) as err:
             log.warning("leader election: store unavailable", error=str(err) or "timeout")
             await asyncio.sleep(self.poll)
             return
         if epoch is None:
             with contextlib.suppress(StoreError, TimeoutError):
-                current = await asyncio.wait_for(self.backend.leader(), self.ttl)
+                current = await _within(self.backend.leader(), self.ttl)
                 instance, address = current if current is not None else ("", "")
                 if (instance, address) != (self.leader_instance, self.leader_address):
                     log.info("standing by", leader=instance or None, leader_address=address)
@@ -256,7 +257,7 @@ class Leadership:
         asked = time.monotonic()
         left = self.valid_until - asked
         try:
-            ok = left > 0 and await asyncio.wait_for(self.backend.renew(), left)
+            ok = left > 0 and await _within(self.backend.renew(), left)
             why = "the store says this instance no longer leads"
         except TimeoutError:
             ok, why = False, f"no renewal within the lease ({self.ttl:g}s)"
@@ -278,14 +279,25 @@ class Leadership:
         log.error("lost the lead; dispatching stopped", instance=self.instance, why=why)
         self.on_lost(why)
         with contextlib.suppress(StoreError, TimeoutError):
-            await asyncio.wait_for(self.backend.release(), 2.0)
+            await _within(self.backend.release(), 2.0)
 
     async def resign(self) -> None:
         """A clean stop: hand the lead over now rather than at lease expiry."""
         if self.leading:
             self.leading = False
             with contextlib.suppress(StoreError, TimeoutError):
-                await asyncio.wait_for(self.backend.release(), 2.0)
+                await _within(self.backend.release(), 2.0)
+
+
+async def _within(call: Awaitable[T], seconds: float) -> T:
+    """``call`` with a deadline (TimeoutError past it).
+
+    Not ``asyncio.wait_for``: on Python 3.11 it loses a cancellation that arrives as the
+    call completes, and a cancelled ``Leadership.run`` then campaigns on forever (seen
+    under load in the store tests).
+    """
+    async with asyncio.timeout(seconds):
+        return await call
 
 
 LEADER_METADATA = "llmgw-leader"
