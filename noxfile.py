@@ -106,6 +106,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's unit tests, and the simulator's."""
+    system_packages(session)  # the store tests start a real etcd and PostgreSQL
     install_everything(session)
     session.run("pytest", *UNIT_TESTS, *session.posargs)
 
@@ -113,6 +114,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """The whole system as separate processes: tests-integration/."""
+    system_packages(session)
     install_everything(session)
     session.run("pytest", "tests-integration", *session.posargs)
 
