@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import structlog
 import uvicorn
+from llmgw_proto.addr import parse_hostport
 
 from llmgw_router.admin import admin_app
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys
@@ -104,13 +105,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def _uvicorn(app: Any, address: str, grace: float, *, uds: str | None = None) -> _Server:
-    host, port = _split(address)
+    host, port = parse_hostport(address, default_host="0.0.0.0", allow_port_zero=True)
     config = uvicorn.Config(
         app,
         host=host,

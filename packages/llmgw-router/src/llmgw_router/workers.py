@@ -56,6 +56,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from llmgw_proto.addr import parse_hostport
 
 from llmgw_router.config import ApiKey, RouterConfig
 from llmgw_router.endpoints import EndpointSpec
@@ -87,16 +88,11 @@ def worker_count(cfg: RouterConfig) -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def reuseport_socket(
     address: str, *, listen: bool, backlog: int = 4096, reuse_port: bool = True
 ) -> socket.socket:
     """A TCP socket bound to ``address`` with SO_REUSEPORT (listening if asked)."""
-    host, port = split_address(address)
+    host, port = parse_hostport(address, default_host="0.0.0.0", allow_port_zero=True)
     family, kind, proto, _, addr = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -712,7 +708,9 @@ class Supervisor:
             return 1
         runner = web.AppRunner(self._admin_app(), access_log=None, handle_signals=False)
         await runner.setup()
-        host, port = split_address(self.config.admin_listen)
+        host, port = parse_hostport(
+            self.config.admin_listen, default_host="0.0.0.0", allow_port_zero=True
+        )
         self._inherited.append(reserved)
         try:
             site = web.TCPSite(runner, host, port, backlog=128)
