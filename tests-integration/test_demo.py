@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llmgw_testkit import free_port, wait_for
+from llmgw_testkit import engine_port_range, free_port, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,12 +36,12 @@ def demo_copy(tmp_path: Path) -> tuple[Path, dict[int, int]]:
         ignore=shutil.ignore_patterns("certs", "*-state"),
     )
     ports = {old: free_port() for old in (7070, 9091, 8080, 9090)}
-    lo = 20000 + (os.getpid() * 89) % 12000
+    lo, hi = engine_port_range(salt=89)
     for config in (root / "examples" / "local").glob("*.yaml"):
         text = config.read_text()
         for old, new in ports.items():
             text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
-        text = text.replace("port_range: [21000, 21999]", f"port_range: [{lo}, {lo + 499}]")
+        text = text.replace("port_range: [21000, 21999]", f"port_range: [{lo}, {hi}]")
         config.write_text(text)
     return root, ports
 

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 __all__ = [
     "Proc",
+    "engine_port_range",
     "free_port",
     "http_get",
     "port_open",
@@ -35,6 +36,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+# Engine ports come from a range of their own below Linux's ephemeral ports (32768+), where
+# free_port() finds the programs' ports, so the two never meet.
+ENGINE_PORTS = (20000, 32000)
+
+
+def engine_port_range(size: int = 500, salt: int = 97) -> tuple[int, int]:
+    """A block of ``size`` engine ports (first, last) for one control plane in a test.
+
+    Under pytest-xdist each worker (PYTEST_XDIST_WORKER=gwN) draws from its own slice of
+    :data:`ENGINE_PORTS`, so two tests running at once never hand out the same port; the
+    process id moves the block between runs."""
+    low, high = ENGINE_PORTS
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(worker[2:]) + 1)
+        width = (high - low) // count
+        if width < size:
+            raise ValueError(f"{count} workers leave {width} engine ports each, under {size}")
+        low += int(worker[2:]) * width
+        high = low + width
+    first = low + (os.getpid() * salt) % (high - low - size + 1)
+    return first, first + size - 1
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from llmgw_testkit import Proc, free_port, wait_for
+from llmgw_testkit import Proc, engine_port_range, free_port, wait_for
 
 __all__ = ["Cluster", "SystemView", "bin_path", "metric_sum", "poll", "vllm_profile"]
 
@@ -169,10 +169,8 @@ class Cluster(SystemView):
             "stop_grace": "5s",
             "command_timeout": "10s",
         }
-        # Engine ports: a range of our own below Linux's ephemeral ports (32768+), where
-        # free_port() finds the programs' ports, so the two never meet.
-        lo = 20000 + (os.getpid() * 97) % 12000
-        self.timings["port_range"] = [lo, lo + 499]
+        # Engine ports: a block of our own (apart from other xdist workers' and free_port()'s).
+        self.timings["port_range"] = list(engine_port_range())
         self.timings.update(timings or {})
         # Top-level control.yaml sections merged over the defaults (state:, ha:, ...).
         self.control_extra: dict[str, Any] = {}
