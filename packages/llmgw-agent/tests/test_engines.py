@@ -6,7 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from llmgw_agent.engines import load_engine, parse_version
+import pytest
+from llmgw_agent.engines import load_engine, metadata_version_argv, parse_version
 from llmgw_proto import v1
 
 # An engine that answers --version and --help as vLLM does (argparse help), and counts
@@ -69,6 +70,35 @@ def test_an_unchanged_executable_is_not_asked_its_version_again(tmp_path: Path) 
     assert load_engine("vllm", [str(script)], "", state).version == "0.32.0"
     assert (tmp_path / "vllm.versions").read_text() == "xx"
     assert len(list((state / "engine-help").glob("vllm-0.32.0-*.txt"))) == 1
+
+
+def test_vllms_version_comes_from_its_package_metadata_without_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A console script as pip writes it, and the `vllm` distribution's metadata on its path.
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{sys.executable}\n" + ENGINE)
+    script.chmod(0o755)
+    site = tmp_path / "site"
+    (site / "vllm-0.40.1.dist-info").mkdir(parents=True)
+    (site / "vllm-0.40.1.dist-info" / "METADATA").write_text("Name: vllm\nVersion: 0.40.1\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    found = load_engine("vllm", [str(script)], "", tmp_path / "state")
+    assert (found.version, found.error) == ("0.40.1", "")
+    assert not (tmp_path / "vllm.versions").exists()  # `vllm --version` never ran
+    assert found.spec is not None
+    assert found.spec.accepts("--max-model-len")
+
+
+def test_without_metadata_the_version_is_asked_of_the_engine(tmp_path: Path) -> None:
+    script = tmp_path / "vllm"
+    script.write_text("#!/usr/bin/env python3\n" + ENGINE)
+    script.chmod(0o755)
+    assert metadata_version_argv("vllm", str(script)) is not None
+    assert metadata_version_argv("vllm", "/usr/bin/true") is None
+    assert metadata_version_argv("llamacpp", sys.executable) is None
+    assert load_engine("vllm", [str(script)], "", tmp_path / "state").version == "0.32.0"
+    assert (tmp_path / "vllm.versions").read_text() == "x"  # asked, as before
 
 
 def test_an_engine_whose_help_cannot_be_read_is_reported(tmp_path: Path) -> None:

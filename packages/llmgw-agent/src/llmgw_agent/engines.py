@@ -32,6 +32,7 @@ __all__ = [
     "help_argv",
     "load_engine",
     "load_installed",
+    "metadata_version_argv",
     "parse_version",
     "version_argv",
 ]
@@ -90,6 +91,35 @@ def version_argv(kind: str, command: Sequence[str]) -> list[str]:
         code = f"import importlib.metadata as m; print(m.version({module!r}))"
         return [command[0], "-c", code]
     return [*command, "--version"]
+
+
+def _interpreter(exe: str) -> str | None:
+    """The Python that runs ``exe``: itself (``python -m ...``, ``python bin/vllm``) or the
+    interpreter on a console script's ``#!`` line; None for anything else."""
+    if re.fullmatch(r"python[\d.]*", os.path.basename(exe)):
+        return exe
+    try:
+        with open(exe, "rb") as script:
+            first = script.readline(512)
+    except OSError:
+        return None
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if words and os.path.basename(words[0]) == "env":
+        words = words[1:]
+    if words and re.fullmatch(r"python[\d.]*", os.path.basename(words[0])):
+        return words[0]
+    return None
+
+
+def metadata_version_argv(kind: str, exe: str) -> list[str] | None:
+    """vLLM's version from its package metadata, in the Python that runs it: a fraction of
+    a second where ``vllm --version`` imports all of vLLM (about 30 s of CPU). None when
+    ``exe`` is no Python program; the caller falls back to ``--version``."""
+    python = _interpreter(exe) if kind == "vllm" else None
+    if python is None:
+        return None
+    code = "import importlib.metadata as m; print(m.version('vllm'))"
+    return [python, "-c", code]
 
 
 def help_argv(kind: str, command: Sequence[str]) -> list[str]:
@@ -201,6 +231,12 @@ def load_engine(
     if not command or (not (os.sep in exe and os.access(exe, os.X_OK)) and not shutil.which(exe)):
         return InstalledEngine(kind, exe, error=f"engine executable {exe!r} not found on PATH")
     version = _cached_version(kind, command, exe, state_dir)
+    code, out = 0, ""
+    quick = metadata_version_argv(kind, exe) if not version else None
+    if quick is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            code, out = run(quick, timeout)
+            version = parse_version(kind, out) if code == 0 else ""
     if not version:
         try:
             code, out = run(version_argv(kind, command), timeout)
