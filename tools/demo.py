@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-import openai
 import yaml
 from llmgw_testkit import Proc, port_open, wait_for
 from llmgw_testkit.cluster import SystemView, bin_path
@@ -394,7 +393,11 @@ class Reaper:
         with contextlib.suppress(OSError):
             self.proc.stdin.write("done\n")
             self.proc.stdin.close()
-        self.proc.wait(timeout=10)
+        try:  # it reads "done" once it has started (seconds on a loaded machine)
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # it has nothing left to stop
+            self.proc.wait()
 
 
 def reap(state: Path) -> int:
@@ -509,6 +512,8 @@ def tour(
 
         wait_for(ready, timeout=180, what="the replicas")
         wait_for(lambda: set(setup.ready) <= cluster.router_models(), timeout=60, what="router")
+
+        import openai  # here, not at the top: the reaper (this file too) starts faster
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="demo")
         if setup.api == "chat":
