@@ -59,7 +59,8 @@ from pathlib import Path
 import aiohttp
 from benchlib import cpu_seconds, serving, use_uvloop
 from llmgw_sim.metrics import parse_prometheus
-from llmgw_testkit import free_port, http_get
+from llmgw_testkit import free_port, http_get, wait_for
+from llmgw_testkit.cluster import Cluster, vllm_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -113,6 +114,21 @@ class Fleet:
             "--sim-step-time", f"{self.step_time:g}",
             "--sim-decode-seq-time", f"{self.decode_seq_time:g}",
         ]  # fmt: skip
+
+    def profile(self) -> dict[str, object]:
+        """The same engines as a control-plane profile: the engine's own flags as
+        ``engine_args``, the simulator's knobs as its ``LLMGW_SIM_*`` environment."""
+        return vllm_profile(
+            replicas=self.engines,
+            args=["--max-model-len", "4096", "--num-gpu-blocks-override", str(self.kv_blocks)],
+            env={
+                "LLMGW_SIM_SCHEDULER": "step",
+                "LLMGW_SIM_PREFILL_RATE": f"{self.prefill_rate:g}",
+                "LLMGW_SIM_STEP_TIME": f"{self.step_time:g}",
+                "LLMGW_SIM_DECODE_SEQ_TIME": f"{self.decode_seq_time:g}",
+                "LLMGW_SIM_LOAD_TIME": "0.2",
+            },
+        )
 
 
 # ----- workloads -----------------------------------------------------------------------
@@ -174,9 +190,12 @@ class Result:
     duration: float = 0.0
     hit_rate: float = 0.0
     per_engine: list[int] = field(default_factory=list)
+    per_engine_hit: list[float] = field(default_factory=list)  # each engine's own hit rate
     router_cpu: float = 0.0  # seconds, all router processes, over every request sent
     all_sent: int = 0  # warm-up included
     loadgen_cpu: float = 0.0
+    loadavg: str = ""  # /proc/loadavg's 1, 5 and 15 minute figures at the run's start
+    control_cpu: float = 0.0  # seconds: control plane and agent, over the run (control fleet)
 
     def pct(self, q: float) -> float:
         if not self.ttft:
@@ -211,10 +230,16 @@ class Result:
             "throughput": round(self.throughput, 2),
             "hit_rate": round(self.hit_rate, 3),
             "max_mean": round(self.max_mean, 2),
+            "per_engine": self.per_engine,
+            "per_engine_hit": [round(h, 3) for h in self.per_engine_hit],
             "router_cpu_ms_per_req": round(self.cpu_ms_per_request, 2),
             "loadgen_cpu_share": round(self.loadgen_cpu / self.duration, 2)
             if self.duration
             else None,
+            "control_agent_cpu_share": round(self.control_cpu / self.duration, 2)
+            if self.duration
+            else None,
+            "loadavg": self.loadavg,
         }
 
 
@@ -301,18 +326,61 @@ def fleet_up(fleet: Fleet, logs: Path) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
+def control_fleet_up(fleet: Fleet, workdir: Path) -> Iterator[tuple[Cluster, list[str]]]:
+    """The fleet the way llmgw runs it: a real ``llmgw-control serve`` and one ``llmgw-agent
+    run`` (a node of ``fleet.engines`` simulated GPUs) that launches the simulated vLLM
+    engines through its vLLM adapter and reads their /metrics into load reports.
+    Yields the cluster and the engines' URLs (from the control plane's status)."""
+    with Cluster(workdir, insecure=True, timings={"load_interval": "250ms"}) as cluster:
+        cluster.start_control([{"name": MODEL, "profiles": {"default": fleet.profile()}}])
+        cluster.start_agent("node-0", gpus=fleet.engines)
+        replicas = cluster.wait_replicas(MODEL, fleet.engines, timeout=120)
+        urls = sorted(str(r["endpoint"]) for r in replicas)
+        yield cluster, urls
+
+
+def _router_endpoints(admin: int) -> list[dict[str, object]]:
+    status, body = http_get(f"http://127.0.0.1:{admin}/v1/endpoints", timeout=5)
+    return list(json.loads(body)["endpoints"]) if status == 200 else []
+
+
+@contextlib.contextmanager
 def router_up(
-    target: str, engines: Sequence[str], logs: Path, copies: int = 1
+    target: str,
+    engines: Sequence[str],
+    logs: Path,
+    copies: int = 1,
+    cluster: Cluster | None = None,
 ) -> Iterator[tuple[list[str], list[int]]]:
-    """``copies`` routers of ``target`` in front of ``engines``: (base URLs, pids)."""
+    """``copies`` routers of ``target`` in front of ``engines``: (base URLs, pids).
+
+    With ``cluster``, llmgw's routers take their endpoints and the engines' load reports
+    from its control plane (``EndpointService.Watch`` and ``WatchLoad``) and are ready
+    once every engine's figures have arrived; without, static endpoints."""
     with contextlib.ExitStack() as stack:
         urls: list[str] = []
         pids: list[int] = []
-        for _ in range(copies):
+        for copy in range(copies):
             port = free_port()
+            admin = free_port()
             if target in LLMGW:
-                admin = free_port()
                 config = logs / f"router-{port}.yaml"
+                source: dict[str, object]
+                if cluster is not None:
+                    source = {
+                        "control": {
+                            "address": f"127.0.0.1:{cluster.grpc_port}",
+                            "router_id": f"bench-{copy}",
+                            "tls": {"insecure": True},
+                        }
+                    }
+                else:
+                    source = {
+                        "endpoints": [
+                            {"id": f"e{i}", "url": u, "models": [MODEL]}
+                            for i, u in enumerate(engines)
+                        ]
+                    }
                 config.write_text(
                     json.dumps(
                         {
@@ -325,10 +393,7 @@ def router_up(
                                 if CACHE_AWARE and target == "cache_aware"
                                 else {}
                             ),
-                            "endpoints": [
-                                {"id": f"e{i}", "url": u, "models": [MODEL]}
-                                for i, u in enumerate(engines)
-                            ],
+                            **source,
                         }
                     )
                 )
@@ -349,6 +414,15 @@ def router_up(
             proc = stack.enter_context(
                 serving(argv, health=health, what=target, log_dir=logs, name=target, timeout=60)
             )
+            if cluster is not None and target in LLMGW:
+
+                def reporting(admin: int = admin) -> bool:
+                    eps = _router_endpoints(admin)
+                    return len(eps) == len(engines) and all(
+                        e.get("load_source") == "engine" for e in eps
+                    )
+
+                wait_for(reporting, timeout=60, what=f"{target}: every engine's load report")
             urls.append(f"http://127.0.0.1:{port}")
             pids.append(proc.pid)
         yield urls, pids
@@ -373,13 +447,21 @@ def run_one(
     warm = int(len(times) * args.warmup)
     copies = 4 if workload == "tenants x4" else 1
     result = Result(workload, target, rate)
-    with (
-        fleet_up(fleet, logs) as engines,
-        router_up(target, engines, logs, copies) as (
-            urls,
-            pids,
-        ),
-    ):
+    result.loadavg = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    with contextlib.ExitStack() as stack:
+        cluster: Cluster | None = None
+        if args.fleet == "control":
+            workdir = Path(tempfile.mkdtemp(prefix="run-", dir=logs))
+            cluster, engines = stack.enter_context(control_fleet_up(fleet, workdir))
+        else:
+            engines = stack.enter_context(fleet_up(fleet, logs))
+        urls, pids = stack.enter_context(router_up(target, engines, logs, copies, cluster))
+        side = (
+            [p.pid for p in (cluster.control, *cluster.agents.values()) if p is not None]
+            if cluster is not None
+            else []
+        )
+        side0 = sum(cpu_seconds(p) for p in side)
         cpu0 = sum(_tree_cpu(p) for p in pids)
         me0 = cpu_seconds(os.getpid())
         # Engine counters after the warm-up arrivals are read by a timer in the loop.
@@ -400,6 +482,7 @@ def run_one(
         results, duration = asyncio.run(main())
         result.router_cpu = sum(_tree_cpu(p) for p in pids) - cpu0
         result.loadgen_cpu = cpu_seconds(os.getpid()) - me0
+        result.control_cpu = sum(cpu_seconds(p) for p in side) - side0
         after = [_engine_samples(u) for u in engines]
     before = marks["before"] or [{} for _ in after]
     counted = results[warm:]
@@ -417,6 +500,10 @@ def run_one(
         for a, b in zip(after, before, strict=True)
     )
     result.hit_rate = hits / queries if queries else 0.0
+    for a, b in zip(after, before, strict=True):
+        q = _sum(a, "vllm:prefix_cache_queries_total") - _sum(b, "vllm:prefix_cache_queries_total")
+        h = _sum(a, "vllm:prefix_cache_hits_total") - _sum(b, "vllm:prefix_cache_hits_total")
+        result.per_engine_hit.append(h / q if q else 0.0)
     result.per_engine = [
         int(_sum(a, "vllm:request_success_total") - _sum(b, "vllm:request_success_total"))
         for a, b in zip(after, before, strict=True)
@@ -435,15 +522,15 @@ def _fmt(x: float, unit: str = "") -> str:
 def table(results: Sequence[Result]) -> str:
     lines = [
         "| workload | target | req/s offered | TTFT p50 | p90 | p99 | req/s done | hit rate "
-        "| max/mean | router CPU/req | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| max/mean | router CPU/req | errors | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.workload} | {r.target} | {r.rate:.1f} | {_fmt(1000 * r.pct(0.5), ' ms')} "
             f"| {_fmt(1000 * r.pct(0.9), ' ms')} | {_fmt(1000 * r.pct(0.99), ' ms')} "
             f"| {r.throughput:.1f} | {100 * r.hit_rate:.0f} % | {r.max_mean:.2f} "
-            f"| {_fmt(r.cpu_ms_per_request, ' ms')} | {r.errors} |"
+            f"| {_fmt(r.cpu_ms_per_request, ' ms')} | {r.errors} | {r.loadavg} |"
         )
     return "\n".join(lines)
 
@@ -517,6 +604,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="bounded-load slack (requests) for llmgw's cache_aware (default: the router's own)",
     )
+    parser.add_argument(
+        "--fleet",
+        choices=("control", "static"),
+        default="control",
+        help="control: engines launched by llmgw-agent under llmgw-control, llmgw routers "
+        "fed by its endpoint and load streams; static: engines started directly, llmgw "
+        "routers with static endpoints and their own counts only",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.cache_aware_epsilon is not None:
@@ -541,10 +636,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r = run_one(fleet, workload, target, args, logs, seed)
                     results.append(r)
                     print(
-                        f"# {workload} {target}: {r.ok}/{r.sent} ok, p90 "
-                        f"{_fmt(1000 * r.pct(0.9), ' ms')}, hit {100 * r.hit_rate:.0f} %, "
+                        f"# {workload} {target} [load {r.loadavg}]: {r.ok}/{r.sent} ok, p90 "
+                        f"{_fmt(1000 * r.pct(0.9), ' ms')}, p99 {_fmt(1000 * r.pct(0.99), ' ms')}, "
+                        f"hit {100 * r.hit_rate:.0f} %, per engine {r.per_engine} "
+                        f"hit {[round(100 * h) for h in r.per_engine_hit]} %, "
                         f"load generator CPU {r.loadgen_cpu / max(r.duration, 1e-9):.0%} "
-                        "of one core",
+                        f"of one core, control+agent {r.control_cpu / max(r.duration, 1e-9):.0%}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -552,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps([r.row() for r in results], indent=1))
     else:
         print(
-            f"fleet: {fleet.engines} simulated vLLM engines, prefill {fleet.prefill_rate:g} "
+            f"fleet ({args.fleet}): {fleet.engines} simulated vLLM engines, prefill {fleet.prefill_rate:g} "
             f"tokens/s, step {1000 * fleet.step_time:g} ms + {1000 * fleet.decode_seq_time:g} "
             f"ms/sequence, KV {fleet.kv_blocks} blocks x {fleet.block_size}; "
             f"no-cache capacity {fleet.capacity(SYSTEM_TOKENS + USER_TOKENS + 8):.1f} req/s"

@@ -55,7 +55,8 @@ def bound_holds(picked: Cand, ready: list[Cand], epsilon: float, slack: float) -
         slack * picked.weight * len(ready) / weight
     )
     least = min(c.load / c.weight for c in ready)
-    return picked.load + 1 <= cap or picked.load / picked.weight == least
+    # The bound counts requests: a load's fraction (KV-cache use) never tips it over.
+    return math.floor(picked.load) + 1 <= cap or picked.load / picked.weight == least
 
 
 @settings(max_examples=300)
@@ -162,27 +163,50 @@ def test_hot_prefix_spreads_evenly_while_nothing_queues() -> None:
     assert max(picks.values()) <= 1.25 * 100
 
 
-def test_an_over_bound_spill_goes_to_the_least_loaded_then_stays_with_the_holders() -> None:
+def test_an_over_bound_spill_goes_to_the_next_in_rendezvous_order_then_stays_there() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](epsilon=0.25, slack=1.0, affinity_blocks=4)
     prompt = b"tenant prefix " * 80
-    home = balancer.pick(cands, usable, None, prefix_blocks(prompt, 128, 512))
+    blocks = prefix_blocks(prompt, 128, 512)
+    home = balancer.pick(cands, usable, None, blocks)
     assert home is not None
+    order = [c for c in balancer.ranking(cands, blocks) if c is not home]
     home.load = 10.0
-    others = [c for c in cands if c is not home]
-    for load, c in zip((3.0, 1.0, 2.0), others, strict=True):
+    # The next in rendezvous order is within the bound though not the least loaded: it
+    # takes the spill, so every router sends this prefix's overflow to one second home.
+    for load, c in zip((2.0, 1.0, 0.0), order, strict=True):
         c.load = load
     spill = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512))
-    assert spill is others[1]
-    # While the home stays over the bound, the prefix goes to the holder within it
-    # (a cache hit), even when another endpoint is less loaded now.
-    others[1].load = 2.0
-    others[2].load = 0.0
+    assert spill is order[0]
+    # While the home stays over the bound, the prefix goes to that holder within it (a
+    # cache hit), even when others are less loaded now.
+    order[0].load = 3.0
     again = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512))
-    assert again is others[1]
+    assert again is order[0]
+    # The holder over the bound too: the next in order within it.
+    order[0].load = 10.0
+    third = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"w", 128, 512))
+    assert third is order[1]
     # Back within the bound: home again.
     home.load = 1.0
     assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"z", 128, 512)) is home
+
+
+def test_kv_cache_use_does_not_tip_an_endpoint_over_the_bound() -> None:
+    """5 requests and a quarter of the KV cache, the mean under 2, slack 3: within
+    ceil(1.25 x 8.5 / 4) + 3 = 6 with this one, so the prefix stays (a cache hit)."""
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand](epsilon=0.25, slack=3.0, affinity_blocks=4)
+    prompt = b"tenant prefix " * 80
+    home = balancer.pick(cands, usable, None, prefix_blocks(prompt, 128, 512))
+    assert home is not None
+    home.load = 5.25
+    for c, load in zip((c for c in cands if c is not home), (1.0, 1.0, 0.25), strict=True):
+        c.load = load
+    assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512)) is home
+    # One request more is over it: the prefix spills.
+    home.load = 6.25
+    assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512)) is not home
 
 
 def test_different_prefixes_spread_over_the_endpoints() -> None:

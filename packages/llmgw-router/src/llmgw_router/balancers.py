@@ -247,8 +247,11 @@ class CacheAware(Balancer[L]):
       with this request, stays within ``ceil((1 + epsilon) * (total + 1) * weight /
       total_weight) + slack * weight / mean_weight``; the absolute ``slack`` (requests)
       keeps affinity at the small in-flight counts where one request more is already 25 %
-      over the mean. Over the bound, the least loaded holder within it takes the request
-      (a cache hit still), else the least loaded endpoint (which then holds the prefix).
+      over the mean. The bound counts requests: the KV-cache fraction of a load orders
+      endpoints but never tips one over. Over the bound, the least loaded holder within
+      it takes the request (a cache hit still), else the next endpoint of the ranking
+      within it (rendezvous order: every router spills a prefix to the same second home,
+      which then holds it), else the least loaded.
     - Without a prefix (embeddings), the least loaded takes it.
 
     An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
@@ -435,16 +438,26 @@ class CacheAware(Balancer[L]):
         total = sum(loads)
         weight_total = sum(weights)
         first = ranking[0]
-        if loads[first] + 1.0 <= self.bound(total, weights[first], weight_total, n):
+        if self.within(loads[first], total, weights[first], weight_total, n):
             return first
         # Over the bound: the least loaded holder within it (the prefix is cached there),
-        # else the least loaded of all; ties go to the earlier in the ranking.
-        within = [
-            i
-            for i in ranking
-            if match[i] and loads[i] + 1.0 <= self.bound(total, weights[i], weight_total, n)
-        ]
-        return min(within or ranking, key=per_load.__getitem__)
+        # else the next of the ranking within it (in rendezvous order, so every router
+        # spills a prefix to the same second home, which then holds it), else the least
+        # loaded of all; ties go to the earlier in the ranking.
+        within = [i for i in ranking if self.within(loads[i], total, weights[i], weight_total, n)]
+        held = [i for i in within if match[i]]
+        if held:
+            return min(held, key=per_load.__getitem__)
+        return within[0] if within else min(ranking, key=per_load.__getitem__)
+
+    def within(
+        self, load: float, load_total: float, weight: int, weight_total: int, n: int
+    ) -> bool:
+        """Whether an endpoint of ``load`` stays within the bound with one more request.
+
+        The bound counts requests: a load's fraction (the engine's KV-cache use, 0..1)
+        orders endpoints with as many requests, but never pushes one over the bound."""
+        return math.floor(load) + 1.0 <= self.bound(load_total, weight, weight_total, n)
 
 
 def make_balancer(
