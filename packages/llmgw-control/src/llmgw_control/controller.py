@@ -58,6 +58,9 @@ ENGINES = {
 # vLLM, SGLang and llama-server all answer their health check here.
 HEALTH_PATH = "/health"
 RESYNC = 60.0
+# How long a pass's commands wait for its records to be stored before they go anyway
+# (a store that is down must not stop the fleet being looked after).
+WRITE_AHEAD = 2.0
 
 
 def settings_of(c: ControlSettings) -> Settings:
@@ -121,6 +124,8 @@ class Controller:
         )
         self._wake = asyncio.Event()
         self._sent: dict[str, Command] = {}
+        # Commands of the last pass, held until its records are stored (write-ahead).
+        self._outbox: list[Command] = []
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         # A pass is skipped while nothing changed and no deadline is due; the
@@ -228,6 +233,8 @@ class Controller:
         self._wake.set()
 
     async def run(self) -> None:
+        # Commands a previous run (a lead since lost) held are not this one's to send.
+        self._outbox.clear()
         while True:
             # Read each time: a reload (SIGHUP) may change it.
             interval = self.settings_interval
@@ -240,6 +247,8 @@ class Controller:
                 self.reconcile_now()
             except Exception:
                 log.exception("reconcile pass failed")
+            if self._outbox:
+                await self.send_stored()
             # Let a burst of events (a reconnect storm) pile up into one pass.
             await asyncio.sleep(min(0.05, interval))
 
@@ -290,8 +299,15 @@ class Controller:
         self.state = decision.state
         self.rollouts = decision.rollouts
         self._next_at = decision.next_at
-        for command in decision.commands:
-            self._dispatch(command)
+        # With a store, commands go out once the records they follow from are stored
+        # (send_stored): a control plane killed at any moment comes back knowing every
+        # replica it started and every drain it began. What is published needs no
+        # wait: until a Drain goes out, whatever was published before still serves.
+        if self.keeper.enabled:
+            self._outbox.extend(decision.commands)
+        else:
+            for command in decision.commands:
+                self._dispatch(command)
         self.publisher.update(self.endpoints(), self.declared())
         self.inventory.prune(
             {p.shard_id for r in self.state.replicas.values() for p in r.shards}, now
@@ -299,6 +315,18 @@ class Controller:
         self.keeper.after_pass()
         self.metrics.reconciles.inc()
         self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+
+    async def send_stored(self) -> None:
+        """Send the held commands once the state store holds the pass they came from."""
+        if not await self.keeper.durable(WRITE_AHEAD):
+            log.warning(
+                "state not stored in time; sending the commands anyway",
+                commands=len(self._outbox),
+                within_s=WRITE_AHEAD,
+            )
+        commands, self._outbox = self._outbox, []
+        for command in commands:
+            self._dispatch(command)
 
     def _dispatch(self, command: Command) -> None:
         command_id = f"{self._prefix}-{next(self._ids)}"

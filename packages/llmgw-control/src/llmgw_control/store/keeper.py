@@ -157,6 +157,13 @@ class StateKeeper:
             self._published = c.publisher.version
             p.stage(PUBLISH, "current", encode_publish(c.publisher.version, c.publisher.endpoints))
 
+    async def durable(self, timeout: float) -> bool:
+        """Everything staged so far is in the store (True at once without a store)."""
+        p = self.persister
+        if p is None or not p.enabled:
+            return True
+        return await p.durable(timeout)
+
     def lost_nodes(self) -> int:
         return sum(1 for n in self.controller.inventory.nodes.values() if n.state == NodeState.LOST)
 

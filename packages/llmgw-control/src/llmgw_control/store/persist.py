@@ -317,10 +317,19 @@ class Persister:
         self.on_not_leader = on_not_leader
         self._written: dict[tuple[str, str], bytes | None] = {}
         self._pending: dict[tuple[str, str], bytes | None] = {}
+        # The batch being written (its values are not in ``_written`` yet).
+        self._inflight: dict[tuple[str, str], bytes | None] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self.enabled = True
+        # Write-ahead bookkeeping: a count of changes staged, the count the store holds
+        # (every change up to it written), and up to which count changes were dropped
+        # (no longer the leader). One batch in flight at a time.
+        self._staged = 0
+        self._stored = 0
+        self._dropped = 0
+        self._lock = asyncio.Lock()
 
     def seed(self, records: Records) -> None:
         """What the store already holds, so unchanged records are not written again."""
@@ -330,12 +339,13 @@ class Persister:
 
     def known(self, kind: str) -> set[str]:
         keys = {k for (kd, k), v in self._written.items() if kd == kind and v is not None}
-        for (kd, k), v in self._pending.items():
-            if kd == kind:
-                if v is None:
-                    keys.discard(k)
-                else:
-                    keys.add(k)
+        for layer in (self._inflight, self._pending):
+            for (kd, k), v in layer.items():
+                if kd == kind:
+                    if v is None:
+                        keys.discard(k)
+                    else:
+                        keys.add(k)
         return keys
 
     def stage(self, kind: str, key: str, value: bytes | None) -> None:
@@ -345,9 +355,14 @@ class Persister:
         if ref in self._pending:
             if self._pending[ref] == value:
                 return
+        elif ref in self._inflight:
+            # Being written now: the same value needs nothing, another one must follow.
+            if self._inflight[ref] == value:
+                return
         elif self._written.get(ref) == value:
             return
         self._pending[ref] = value
+        self._staged += 1
         self._idle.clear()
         self._wake.set()
 
@@ -368,6 +383,7 @@ class Persister:
             except NotLeader as err:
                 log.error("state write refused: no longer the leader", error=str(err))
                 self._pending.clear()
+                self._dropped = self._staged
                 self._idle.set()
                 if self.on_not_leader is not None:
                     self.on_not_leader()
@@ -378,15 +394,23 @@ class Persister:
                 delay = min(delay * 2, 5.0)
 
     async def _flush_once(self) -> None:
+        async with self._lock:
+            await self._write_pending()
+
+    async def _write_pending(self) -> None:
+        upto = self._staged
         if not self._pending:
+            self._stored = upto
             self._idle.set()
             return
         batch, self._pending = self._pending, {}
         changes = [Change(k, key, v) for (k, key), v in batch.items()]
         started = time.perf_counter()
+        self._inflight = batch
         try:
             await self.store.write(changes)
         except BaseException:
+            self._inflight = {}
             if self.metrics is not None:
                 self.metrics.errors.inc()
             # Keep what was not written, under anything newer staged meanwhile.
@@ -397,9 +421,35 @@ class Persister:
             self.metrics.writes.inc()
             self.metrics.records.inc(len(changes))
             self.metrics.seconds.observe(time.perf_counter() - started)
+        self._inflight = {}
         self._written.update(batch)
+        # Changes staged while the batch was written are pending still, and counted
+        # past ``upto``; everything up to it is in the store.
+        self._stored = max(self._stored, upto)
         if not self._pending:
             self._idle.set()
+
+    async def durable(self, timeout: float) -> bool:
+        """Write now what is staged so far and wait until the store holds it.
+
+        The controller calls it between deciding and acting (write-ahead): a command
+        goes to an agent only once the records it follows from are stored, so a
+        control plane killed at any moment comes back knowing every replica it
+        started and every drain it began. False when they could not be written in
+        ``timeout`` (a store error, the lead lost); what is unwritten stays pending.
+        """
+        target = self._staged
+        try:
+            async with asyncio.timeout(timeout):
+                while self._stored < target:
+                    if self._dropped >= target:
+                        return False  # dropped (the lead lost), never to be written
+                    async with self._lock:
+                        if self._stored < target:
+                            await self._write_pending()
+        except (TimeoutError, StoreError):
+            return False
+        return target == 0 or self._dropped < target
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Write what is pending now (at shutdown); errors are logged, not raised."""
