@@ -7,9 +7,16 @@
    its agents: it stops dispatching within its lease, ends its streams, and the
    other instance takes over; nothing restarts, no request fails.
 
+3. A deposed leader that sends anyway: with a test-only hook, the instance cut off
+   from its store still takes agent streams and sends StopShard for their shards. The
+   real agent, which has registered with the new leader since, refuses the deposed
+   one's RegisterAck (its epoch is older than the newest the agent has seen), so the
+   StopShard after it is never acted on: the engine keeps running.
+
 The control plane's side of fencing (epochs on RegisterAck and commands, a leader
 that lost its lease sends nothing) is checked here; that an agent refuses a command
-from an older epoch is the agent's own test.
+(not only a RegisterAck) from an older epoch is the agent's own test: a deposed
+leader cannot get a command past the RegisterAck of a stream.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import pytest
 from llmgw_testkit import Proc, free_port, wait_for
 from llmgw_testkit.cluster import Cluster, bin_path, metric_sum, vllm_profile
 from llmgw_testkit.servers import Etcd, Postgres
-from llmgw_testkit.traffic import EndpointWatch, both_ready, router_endpoints, traffic
+from llmgw_testkit.traffic import EndpointWatch, both_ready, pids, router_endpoints, traffic
 
 LEASE = "3s"
 MODELS = [{"name": "chat", "profiles": {"default": vllm_profile(gpus=1, replicas=2)}}]
@@ -92,9 +99,16 @@ class Proxy:
 
 
 class Instance:
-    def __init__(self, cluster: Cluster, name: str, state: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        name: str,
+        state: dict[str, Any],
+        models: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.name = name
+        self.models = models if models is not None else MODELS
         self.grpc_port = free_port()
         self.admin_port = free_port()
         self.state = state
@@ -104,8 +118,8 @@ class Instance:
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start(self) -> Proc:
-        config = self.cluster.control_config(MODELS)
+    def start(self, env: dict[str, str] | None = None) -> Proc:
+        config = self.cluster.control_config(self.models)
         config["listen"] = self.address
         config["admin_listen"] = f"127.0.0.1:{self.admin_port}"
         config["state"] = self.state
@@ -117,7 +131,7 @@ class Instance:
         }
         path = self.cluster.write(f"control-{self.name}.yaml", config)
         argv = [bin_path("llmgw-control"), "serve", "--config", str(path), "--log-format", "json"]
-        self.proc = self.cluster._start(f"control-{self.name}", argv)
+        self.proc = self.cluster._start(f"control-{self.name}", argv, env=env)
         wait_for(lambda: self.metrics() is not None, timeout=60, what=f"{self.name} admin up")
         return self.proc
 
@@ -258,3 +272,83 @@ def test_leader_cut_off_from_its_store_stops_dispatching(
         assert failures == [], failures[:5]
     finally:
         proxy.stop()
+
+
+def test_a_deposed_leader_that_sends_anyway_is_refused_by_the_agent(
+    cluster: Cluster, backend: tuple[str, Any]
+) -> None:
+    kind, server = backend
+    proxy = Proxy(server.port)
+    armed = cluster.workdir / "deposed-sends-anyway"
+    one = [{"name": "chat", "profiles": {"default": vllm_profile(gpus=1, replicas=1)}}]
+    try:
+        cluster.timings.update(unreachable_after="2s", lost_after="60s", startup_grace="1s")
+        a = Instance(cluster, "a", state_for(kind, server, proxy.port), one)
+        b = Instance(cluster, "b", state_for(kind, server), one)
+        cluster.control_addresses = [a.address, b.address]
+        # The hook (test only) acts while the file exists and a does not lead.
+        a.start(env={"LLMGW_TEST_DEPOSED_SENDS_ANYWAY": str(armed)})
+        wait_for(a.leads, timeout=30, what="a leads")
+        b.start()
+        wait_for(lambda: b.metrics() is not None and not b.leads(), timeout=30, what="b standby")
+        a.view()
+        agent = cluster.start_agent("gpu-a", gpus=1)
+        (engine,) = wait_for(
+            lambda: [p for ps in pids(cluster).values() for p in ps] or None,
+            timeout=60,
+            what="the replica ready under a",
+        )
+        epoch_a = int(a.value("llmgw_control_epoch"))
+
+        proxy.cut()
+        wait_for(lambda: not a.leads(), timeout=30, what="a steps down")
+        wait_for(b.leads, timeout=60, what="b leads")
+        b.view()
+        epoch_b = int(b.value("llmgw_control_epoch"))
+        assert epoch_b > epoch_a
+        assert wait_for(
+            lambda: [p for ps in pids(cluster).values() for p in ps] or None,
+            timeout=60,
+            what="the replica ready under b",
+        ) == [engine], "the engine was adopted, not restarted"
+        wait_for(
+            lambda: (
+                f'"epoch": {epoch_b}' in agent.output()
+                and "registered with the control plane" in agent.output()
+            ),
+            timeout=30,
+            what="the agent registered with b (it has seen b's epoch)",
+        )
+
+        # a, deposed, now takes agent streams and sends StopShard anyway; b goes away,
+        # so the agent's next stream is to a.
+        armed.touch()
+        assert b.proc is not None
+        b.proc.signal(signal.SIGKILL)
+        assert a.proc is not None
+        sent = "a deposed instance sends StopShard anyway"
+        refused = f"RegisterAck from epoch {epoch_a}, older than epoch {epoch_b} already seen"
+        wait_for(
+            lambda: a.proc is not None and a.proc.output().count(sent) >= 2,
+            timeout=90,
+            what="a sent StopShard anyway, twice",
+        )
+        wait_for(
+            lambda: agent.output().count(refused) >= 2,
+            timeout=60,
+            what="the agent refused the deposed leader, twice",
+        )
+        assert "command: stop" not in agent.output(), "the StopShard was never acted on"
+        assert agent.alive()
+        assert _running(engine), "the engine still runs"
+        assert not a.leads()
+    finally:
+        proxy.stop()
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

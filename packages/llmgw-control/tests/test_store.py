@@ -12,6 +12,7 @@ import asyncio
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -590,3 +591,122 @@ async def test_a_standby_refuses_with_the_leaders_address(leader: str) -> None:
         channel.close()
         server.close()
         await server.wait_closed()
+
+
+# --- renewals on their own thread ---------------------------------------------------
+
+
+def busy(seconds: float) -> None:
+    """Hold the calling thread (the main loop) with Python work, as a saturated loop does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(2000))
+
+
+@pytest.mark.parametrize("kind", ["etcd", "postgres"])
+async def test_a_busy_main_loop_does_not_lose_the_lease(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """The main loop held for 2.5 lease TTLs: a keeps leading, b never takes over."""
+    ttl = 2.0
+    server = request.getfixturevalue(kind)
+    s = etcd_settings(server) if kind == "etcd" else None
+
+    async def make(name: str) -> Any:
+        address = {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}[name]
+        if s is not None:
+            store: Any = EtcdStore(s)
+            await store.open()
+            return store, EtcdBackend(store, name, address, ttl)
+        store = PostgresStore(PostgresSettings(dsn=server.dsn))
+        await store.open()
+        return store, PostgresBackend(store, name, address)
+
+    a_store, a_backend = await make("a")
+    b_store, b_backend = await make("b")
+    wa, wb = Watcher(), Watcher()
+    a = Leadership(a_backend, ha(ttl), "a", "127.0.0.1:1", wa.on_elected, wa.on_lost, poll=0.1)
+    b = Leadership(b_backend, ha(ttl), "b", "127.0.0.1:2", wb.on_elected, wb.on_lost, poll=0.1)
+    task_a = asyncio.create_task(a.run())
+    task_b: asyncio.Task[None] | None = None
+    try:
+        await wait_for_async(_async(lambda: wa.elected), timeout=20, what="a elected")
+        task_b = asyncio.create_task(b.run())
+        await wait_for_async(
+            _async(lambda: b.leader_address == "127.0.0.1:1"), timeout=20, what="b knows a leads"
+        )
+        renewed = a.renewals
+        busy(2.5 * ttl)  # no await: the main loop runs nothing else meanwhile
+        assert a.renewals > renewed, "a's renewals went on while its main loop was held"
+        assert a.valid()
+        assert a.leading
+        assert not b.leading
+        await asyncio.sleep(0.5)  # whatever the held loop queued runs now
+        assert wa.lost == []
+        assert wb.elected == []
+        # The store agrees: a's fenced write goes through, b's is refused.
+        await a_store.write([Change("node", "n", b"from a")])
+        with pytest.raises(NotLeader):
+            await b_store.write([Change("node", "n", b"from b")])
+    finally:
+        tasks = [t for t in (task_a, task_b) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await a_store.close()
+        await b_store.close()
+
+
+class Stub:
+    """AgentEvents that ignore everything: only AgentService.send is under test here."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("mode", ["refused", "hang"])
+async def test_a_lost_lease_stops_dispatch_while_the_main_loop_is_held(mode: str) -> None:
+    """The renewals fail while the main loop is busy: dispatch stops within the lease,
+    without the main loop's help, and on_lost runs once it is free again."""
+    from llmgw_control.agent_service import AgentService, Session
+
+    ttl = 1.0
+    backend = FakeBackend()
+    w = Watcher()
+    lead = Leadership(backend, ha(ttl), "a", "127.0.0.1:1", w.on_elected, w.on_lost, poll=0.05)
+    agents = AgentService(Stub(), heartbeat_interval=1.0, command_timeout=30.0)
+    agents.lease_valid = lead.valid
+    agents.sessions["n"] = Session("n", "s", "127.0.0.1")
+    command = v1.ControlMessage(stop_shard=v1.StopShard(command_id="c", shard_id="x"))
+    task = asyncio.create_task(lead.run())
+    try:
+        await wait_for_async(_async(lambda: w.elected == [7]), what="elected")
+        await wait_for_async(_async(lambda: lead.renewals >= 2), what="renewing")
+        assert agents.send("n", "c0", command), "a valid lease dispatches"
+        backend.mode = mode
+        # Held from here on; sample until dispatch stops (or a generous deadline).
+        deadline = time.monotonic() + 20 * ttl
+        late: list[float] = []
+        while time.monotonic() < deadline:
+            ok, until = agents.send("n", "c1", command), lead.valid_until
+            now = time.monotonic()
+            if ok and until and now > until:
+                late.append(now - until)
+            if not ok:
+                break
+            busy(0.01)
+        else:
+            raise AssertionError("dispatch never stopped while the main loop was held")
+        assert late == [], "nothing is dispatched past the lease's end"
+        assert not lead.valid()
+        # The renewal thread marks the lead lost (a hanging renewal: at the lease's end).
+        deadline = time.monotonic() + 10 * ttl
+        while lead.leading and time.monotonic() < deadline:
+            busy(0.01)
+        assert [lead.leading] == [False]
+        assert w.lost == [], "on_lost waits for the main loop; dispatch did not"
+        await wait_for_async(_async(lambda: w.lost), timeout=10, what="on_lost on the main loop")
+        assert ("no renewal within the lease" in w.lost[0]) == (mode == "hang")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

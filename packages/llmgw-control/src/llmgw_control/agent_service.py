@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -83,6 +85,10 @@ class AgentService:
         # that lost its lease: nothing more goes out.
         self.epoch = 0
         self.dispatching = True
+        # With HA: the lease is held now (Leadership.valid, true from any thread's view
+        # only while the last good renewal is younger than the lease). Asked before a
+        # command is queued and again before it is written to a stream.
+        self.lease_valid: Callable[[], bool] = _always
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -102,7 +108,7 @@ class AgentService:
         False when the node has no stream: the reconciler sends again once it has.
         """
         session = self.sessions.get(node_id)
-        if session is None or not self.dispatching:
+        if session is None or not self.may_dispatch():
             return False
         for command in (msg.start_shard, msg.stop_shard, msg.drain_shard):
             if command is not None:
@@ -114,6 +120,9 @@ class AgentService:
         )
         self._deadlines[command_id] = (node_id, handle)
         return True
+
+    def may_dispatch(self) -> bool:
+        return self.dispatching and self.lease_valid()
 
     def _expire(self, command_id: str) -> None:
         entry = self._deadlines.pop(command_id, None)
@@ -211,6 +220,8 @@ class AgentService:
                 )
             )
         )
+        if not self.may_dispatch() and deposed_sends_anyway():
+            await self._send_anyway(stream, register)
         self.metrics.registrations.inc()
         self.metrics.streams.inc()
         log.info(
@@ -255,10 +266,34 @@ class AgentService:
                 grpclib.const.Status.ABORTED, "replaced by a newer stream for this node"
             )
 
+    async def _send_anyway(self, stream: Stream, register: v1.Register) -> None:
+        """TEST ONLY (``LLMGW_TEST_DEPOSED_SENDS_ANYWAY``): a StopShard for every shard the
+        agent reports, with this instance's old epoch, past every leadership check: what a
+        deposed leader that ignored its lost lease would do. The agents must refuse it."""
+        for shard in register.shards:
+            command_id = f"deposed-{secrets.token_hex(4)}"
+            log.warning(
+                "test hook: a deposed instance sends StopShard anyway",
+                node_id=register.node_id,
+                shard_id=shard.shard_id,
+                epoch=self.epoch,
+                command_id=command_id,
+            )
+            stop = v1.StopShard(
+                command_id=command_id,
+                shard_id=shard.shard_id,
+                grace=dt.timedelta(seconds=1),
+                epoch=self.epoch,
+            )
+            await stream.send_message(v1.ControlMessage(stop_shard=stop))
+
     async def _send_loop(self, stream: Stream, session: Session) -> None:
         # The only writer of this stream: concurrent send_message calls could interleave.
         while True:
             msg = await session.outbox.get()
+            if not self.may_dispatch() and _is_command(msg):
+                # Queued while leading, the lease gone since: not sent (it expires).
+                continue
             await stream.send_message(msg)
 
     async def _recv_loop(self, stream: Stream, session: Session) -> None:
@@ -288,3 +323,22 @@ class AgentService:
 
 async def _wait(event: asyncio.Event) -> None:
     await event.wait()
+
+
+def _always() -> bool:
+    return True
+
+
+# TEST ONLY: the path of a file; while it exists, an instance that does not lead still
+# takes agent streams (LeaderGate) and sends StopShard for their shards right after the
+# RegisterAck (tests-integration/test_ha.py: the agents refuse a deposed leader).
+DEPOSED_SENDS_ANYWAY = "LLMGW_TEST_DEPOSED_SENDS_ANYWAY"
+
+
+def deposed_sends_anyway() -> bool:
+    armed = os.environ.get(DEPOSED_SENDS_ANYWAY, "")
+    return bool(armed) and os.path.exists(armed)
+
+
+def _is_command(msg: v1.ControlMessage) -> bool:
+    return msg.start_shard is not None or msg.stop_shard is not None or msg.drain_shard is not None

@@ -9,6 +9,13 @@ back before ``lease_ttl`` has passed since the last good one makes it step down 
 once (``on_lost``): before the lease can have expired at the store, so no two
 instances ever dispatch in the same moment. Standbys poll for the claim and know the
 leader's advertised address, which they tell every agent and router they refuse.
+
+The campaign and the renewals run on a thread of their own, with their own event
+loop and their own etcd client or PostgreSQL session (the one that holds the lock):
+a main loop busy with 10,000 agent streams cannot starve them. The main loop hears
+of an election or a loss through ``call_soon_threadsafe``; dispatch does not wait for
+that: it asks :meth:`Leadership.valid`, which is false from the moment the lead is
+lost or the last good renewal is ``lease_ttl`` old, whatever the main loop is doing.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -38,6 +46,12 @@ def default_instance_id(listen: str) -> str:
 
 
 class Backend(Protocol):
+    """One instance's hold on the lead. Every method runs on the renewal thread's loop.
+
+    A backend may also have ``async open()`` and ``async close()``: its own
+    connection, opened and closed on that loop.
+    """
+
     async def acquire(self) -> int | None:
         """Become leader if nobody is: the new epoch, or None."""
 
@@ -52,6 +66,12 @@ class Backend(Protocol):
 
 
 class EtcdBackend:
+    """The lease and the leader key, through an etcd client of its own.
+
+    The store's client (on the main loop) writes the records, each write fenced on
+    the claim this backend puts in ``store.fence``.
+    """
+
     def __init__(self, store: Any, instance: str, address: str, ttl: float) -> None:
         from llmgw_control.store.etcd import EtcdStore
 
@@ -63,23 +83,43 @@ class EtcdBackend:
         self.ttl = max(round(ttl), 1)
         self.key = store.key("leader")
         self.lease: Any = None
+        # This backend's own connection (opened on the renewal thread's loop); until
+        # then, the store's (tests drive a backend from one loop).
+        self.own: EtcdStore | None = None
+
+    @property
+    def session(self) -> Any:
+        return self.own if self.own is not None else self.store
+
+    async def open(self) -> None:
+        from llmgw_control.store.etcd import EtcdStore
+
+        own = EtcdStore(self.store.settings, self.store.setting)
+        await own.open()
+        self.own = own
+
+    async def close(self) -> None:
+        own, self.own = self.own, None
+        if own is not None:
+            await own.close()
 
     async def acquire(self) -> int | None:
-        client = self.store.client
+        session = self.session
+        client = session.client
         t = client.transactions
         epoch_key = self.store.key("epoch")
-        prev = await self.store._call(client.get(epoch_key))
+        prev = await session._call(client.get(epoch_key))
         # Never below the wall clock's seconds, never below the last epoch + 1: newer than
         # any epoch an agent saw, even from a control plane whose store was replaced.
         epoch = max(int(prev.value) + 1 if prev is not None else 1, int(time.time()))
-        lease = await self.store._call(client.lease(self.ttl))
+        lease = await session._call(client.lease(self.ttl))
         claim = json.dumps(
             {"instance": self.instance, "address": self.address, "lease": lease.id, "epoch": epoch}
         ).encode()
         unchanged = (
             t.mod(epoch_key) == prev.mod_revision if prev is not None else t.version(epoch_key) == 0
         )
-        ok, _ = await self.store._call(
+        ok, _ = await session._call(
             client.transaction(
                 compare=[t.create(self.key) == 0, unchanged],
                 success=[
@@ -91,7 +131,7 @@ class EtcdBackend:
         )
         if not ok:
             with contextlib.suppress(StoreError):
-                await self.store._call(client.revoke_lease(lease.id))
+                await session._call(client.revoke_lease(lease.id))
             return None
         self.lease = lease
         self.store.fence = (self.key, claim)
@@ -100,11 +140,13 @@ class EtcdBackend:
     async def renew(self) -> bool:
         if self.lease is None:
             return False
-        reply = await self.store._call(self.store.client.refresh_lease(self.lease.id))
+        session = self.session
+        reply = await session._call(session.client.refresh_lease(self.lease.id))
         return reply is not None and int(reply.TTL) > 0
 
     async def leader(self) -> tuple[str, str] | None:
-        got = await self.store._call(self.store.client.get(self.key))
+        session = self.session
+        got = await session._call(session.client.get(self.key))
         if got is None:
             return None
         claim = json.loads(bytes(got.value))
@@ -114,11 +156,19 @@ class EtcdBackend:
         lease, self.lease = self.lease, None
         self.store.fence = None
         if lease is not None:
+            session = self.session
             with contextlib.suppress(StoreError):
-                await self.store._call(self.store.client.revoke_lease(lease.id))
+                await session._call(session.client.revoke_lease(lease.id))
 
 
 class PostgresBackend:
+    """The advisory lock, on a PostgreSQL session of its own.
+
+    The store's connection (on the main loop) writes the records; each write first
+    checks that this backend's session (``store.fence``: its server pid and the epoch)
+    still holds the lock and that no newer epoch was taken.
+    """
+
     def __init__(self, store: Any, instance: str, address: str) -> None:
         from llmgw_control.store.postgres import PostgresStore
 
@@ -127,11 +177,18 @@ class PostgresBackend:
         store.ha = True
         self.instance = instance
         self.address = address
+        self.conn: Any = None
+
+    async def open(self) -> None:
+        """Nothing to do: the session is made on first use, on the loop that uses it."""
+
+    async def close(self) -> None:
+        await self._drop()
 
     async def _conn(self) -> Any:
-        if self.store.conn is None or self.store.conn.is_closed():
-            self.store.conn = await self.store.connect()
-        return self.store.conn
+        if self.conn is None or self.conn.is_closed():
+            self.conn = await self.store.connect()
+        return self.conn
 
     async def acquire(self) -> int | None:
         from llmgw_control.store.postgres import LOCK_KEY
@@ -150,6 +207,7 @@ class PostgresBackend:
                 self.instance,
                 self.address,
             )
+            self.store.fence = (int(conn.get_server_pid()), int(epoch))
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
             await self._drop()
             raise StoreError(f"{self.store.description}: {err}") from None
@@ -175,7 +233,8 @@ class PostgresBackend:
 
     async def _drop(self) -> None:
         # A session that may still hold the lock is closed: the lock goes with it.
-        conn, self.store.conn = self.store.conn, None
+        self.store.fence = None
+        conn, self.conn = self.conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.terminate()
@@ -185,7 +244,11 @@ class PostgresBackend:
 
 
 class Leadership:
-    """Campaigns forever; calls ``on_elected(epoch)`` and ``on_lost()`` as the lead changes."""
+    """Campaigns forever; calls ``on_elected(epoch)`` and ``on_lost()`` as the lead changes.
+
+    ``run()`` (on the main loop) starts the renewal thread and waits; the callbacks are
+    called on the main loop. ``valid()`` and ``step_down()`` may be called from anywhere.
+    """
 
     def __init__(
         self,
@@ -209,10 +272,165 @@ class Leadership:
         # The leader's advertised address as last seen ("" = unknown).
         self.leader_address = ""
         self.leader_instance = ""
+        # monotonic: the lead is certain until then (last good renewal asked + lease_ttl).
         self.valid_until = 0.0
+        # Renewals that came back good, and the longest gap between two (seconds).
+        self.renewals = 0
+        self.longest_gap = 0.0
+        self._last_good = 0.0
+        self._lock = threading.Lock()
+        self._term = 0
+        # Serialises acquire and release on the renewal thread's loop.
+        self._ops: asyncio.Lock | None = None
+        self._main: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
         self._takeover: asyncio.Task[None] | None = None
 
+    # --- anywhere -------------------------------------------------------------------
+
+    def valid(self) -> bool:
+        """May this instance dispatch now? False once lost or past the lease."""
+        return self.leading and time.monotonic() < self.valid_until
+
+    def step_down(self, why: str) -> None:
+        """Give the lead up now (a fenced write, a failed takeover)."""
+        if self._lose(why):
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    asyncio.run_coroutine_threadsafe(self._release(), loop)
+
+    def _lose(self, why: str) -> bool:
+        """Mark the lead lost (once) and tell the main loop; True if it was held."""
+        with self._lock:
+            if not self.leading:
+                return False
+            self.leading = False
+            self.valid_until = 0.0
+            self.leader_address = self.leader_instance = ""
+        log.error("lost the lead; dispatching stopped", instance=self.instance, why=why)
+        main = self._main
+        if main is not None and not main.is_closed():
+            with contextlib.suppress(RuntimeError):
+                main.call_soon_threadsafe(self._lost_on_main, why)
+        return True
+
+    # --- the main loop --------------------------------------------------------------
+
     async def run(self) -> None:
+        """Campaign (on the renewal thread) until cancelled."""
+        self._main = main = asyncio.get_running_loop()
+        failed: asyncio.Future[None] = main.create_future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(failed,), name="llmgw-leadership", daemon=True
+        )
+        self._thread.start()
+        try:
+            await failed
+        finally:
+            await self._stop_thread()
+
+    def _report(self, failed: asyncio.Future[None], err: BaseException | None) -> None:
+        if not failed.done():
+            if err is None:
+                failed.set_result(None)
+            else:
+                failed.set_exception(err)
+
+    def _elected_on_main(self, term: int, epoch: int) -> None:
+        if term != self._term or not self.leading:
+            return  # lost again before the main loop heard of it
+        self._takeover = asyncio.get_running_loop().create_task(self._take(epoch))
+
+    async def _take(self, epoch: int) -> None:
+        try:
+            await self.on_elected(epoch)
+        except Exception as err:  # a failed takeover gives the lead back
+            log.exception("takeover failed; giving the lead up")
+            self.step_down(f"takeover failed: {err}")
+
+    def _lost_on_main(self, why: str) -> None:
+        takeover, self._takeover = self._takeover, None
+        if takeover is not None and takeover is not asyncio.current_task():
+            takeover.cancel()
+        self.on_lost(why)
+
+    async def resign(self) -> None:
+        """A clean stop: hand the lead over now rather than at lease expiry."""
+        with self._lock:
+            held, self.leading = self.leading, False
+            self.valid_until = 0.0
+        loop = self._loop
+        if held and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError, StoreError, TimeoutError):
+                done = asyncio.run_coroutine_threadsafe(self._release(), loop)
+                await _within(asyncio.wrap_future(done), 3.0)
+        await self._stop_thread()
+
+    async def _stop_thread(self) -> None:
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        await asyncio.shield(asyncio.to_thread(thread.join, 10.0))
+        self._thread = None
+
+    # --- the renewal thread ---------------------------------------------------------
+
+    def _thread_main(self, failed: asyncio.Future[None]) -> None:
+        main = self._main
+        assert main is not None
+        err: BaseException | None = None
+        try:
+            asyncio.run(self._thread_run())
+        except BaseException as exc:  # the main loop must hear of it: run() raises it
+            err = exc
+        finally:
+            self._loop = None
+        if not main.is_closed():
+            with contextlib.suppress(RuntimeError):
+                main.call_soon_threadsafe(self._report, failed, err)
+
+    async def _thread_run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ops = asyncio.Lock()
+        opener = getattr(self.backend, "open", None)
+        closer = getattr(self.backend, "close", None)
+        work = asyncio.create_task(self._campaign_forever(opener))
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, stop):
+                task.cancel()
+            await asyncio.gather(work, stop, return_exceptions=True)
+            # Stopped: an instance still leading gives the lead up (a clean stop's
+            # resign() did already). No on_lost: the owner asked for this.
+            with self._lock:
+                held, self.leading = self.leading, False
+                self.valid_until = 0.0
+            if held:
+                await self._release()
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await _within(closer(), 2.0)
+        failure = None if work.cancelled() else work.exception()
+        if failure is not None:
+            raise failure
+
+    async def _campaign_forever(self, opener: Callable[[], Awaitable[None]] | None) -> None:
+        while opener is not None:
+            try:
+                await _within(opener(), self.ttl)
+                break
+            except (StoreError, TimeoutError) as err:
+                log.warning("leader election: store unavailable", error=str(err) or "timeout")
+                await asyncio.sleep(self.poll)
         while True:
             if self.leading:
                 await self._hold()
@@ -220,8 +438,10 @@ class Leadership:
                 await self._campaign()
 
     async def _campaign(self) -> None:
+        assert self._ops is not None
         try:
-            epoch = await _within(self.backend.acquire(), self.ttl)
+            async with self._ops:
+                epoch = await _within(self.backend.acquire(), self.ttl)
         except (StoreError, TimeoutError) as err:
             log.warning("leader election: store unavailable", error=str(err) or "timeout")
             await asyncio.sleep(self.poll)
@@ -236,24 +456,25 @@ class Leadership:
             await asyncio.sleep(self.poll)
             return
         started = time.monotonic()
-        self.leading = True
-        self.epoch = epoch
-        self.valid_until = started + self.ttl
-        self.leader_instance, self.leader_address = self.instance, self.address
+        with self._lock:
+            self._term += 1
+            term = self._term
+            self.epoch = epoch
+            self.valid_until = started + self.ttl
+            self.leader_instance, self.leader_address = self.instance, self.address
+            self.leading = True
         log.info("elected leader", instance=self.instance, epoch=epoch)
-        # The takeover (reading the whole state) runs beside the renewals: a large
-        # fleet's state may take longer to read than the lease lasts.
-        self._takeover = asyncio.create_task(self._take(epoch))
-
-    async def _take(self, epoch: int) -> None:
-        try:
-            await self.on_elected(epoch)
-        except Exception as err:  # a failed takeover gives the lead back
-            log.exception("takeover failed; giving the lead up")
-            await self._step_down(f"takeover failed: {err}")
+        self._last_good = started
+        # The takeover (reading the whole state) runs on the main loop, beside the
+        # renewals here: a large fleet's state may take longer to read than the lease.
+        main = self._main
+        assert main is not None
+        main.call_soon_threadsafe(self._elected_on_main, term, epoch)
 
     async def _hold(self) -> None:
         await asyncio.sleep(self.ttl / 3)
+        if not self.leading:
+            return
         asked = time.monotonic()
         left = self.valid_until - asked
         try:
@@ -264,27 +485,20 @@ class Leadership:
         except StoreError as err:
             ok, why = False, f"renewal failed: {err}"
         if ok and time.monotonic() < self.valid_until:
-            self.valid_until = asked + self.ttl
+            with self._lock:
+                if self.leading:
+                    self.valid_until = asked + self.ttl
+                    self.renewals += 1
+                    self.longest_gap = max(self.longest_gap, asked - self._last_good)
+                    self._last_good = asked
             return
-        await self._step_down(why)
+        if self._lose(why):
+            await self._release()
+        await asyncio.sleep(self.poll)
 
-    async def _step_down(self, why: str) -> None:
-        if not self.leading:
-            return
-        self.leading = False
-        takeover, self._takeover = self._takeover, None
-        if takeover is not None and takeover is not asyncio.current_task():
-            takeover.cancel()
-        self.leader_address = self.leader_instance = ""
-        log.error("lost the lead; dispatching stopped", instance=self.instance, why=why)
-        self.on_lost(why)
-        with contextlib.suppress(StoreError, TimeoutError):
-            await _within(self.backend.release(), 2.0)
-
-    async def resign(self) -> None:
-        """A clean stop: hand the lead over now rather than at lease expiry."""
-        if self.leading:
-            self.leading = False
+    async def _release(self) -> None:
+        assert self._ops is not None
+        async with self._ops:
             with contextlib.suppress(StoreError, TimeoutError):
                 await _within(self.backend.release(), 2.0)
 
@@ -336,7 +550,7 @@ class LeaderGate:
 
     def _wrap(self, func: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         async def gated(stream: Any) -> None:
-            if not self.is_leader():
+            if not self.is_leader() and not _admitted_anyway(func):
                 await self.refuse(stream)
                 return
             task = asyncio.current_task()
@@ -373,3 +587,10 @@ class LeaderGate:
     def end_all(self) -> None:
         for task in list(self._calls):
             task.cancel()
+
+
+def _admitted_anyway(func: Callable[[Any], Awaitable[None]]) -> bool:
+    """TEST ONLY: agent streams taken by a non-leader (see agent_service.deposed_sends_anyway)."""
+    from llmgw_control.agent_service import AgentService, deposed_sends_anyway
+
+    return isinstance(getattr(func, "__self__", None), AgentService) and deposed_sends_anyway()

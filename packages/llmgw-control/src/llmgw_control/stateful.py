@@ -70,9 +70,17 @@ class Stateful:
             else:
                 backend = PostgresBackend(self.store, instance, address)
             self.leadership = Leadership(backend, ha, instance, address, self._elected, self._lost)
+            lead = self.leadership
+            Gauge(
+                "llmgw_control_lease_longest_gap_seconds",
+                "Longest time between two good lease renewals while leading (renewed on a "
+                "thread of its own; a gap near lease_ttl means the lead was nearly lost).",
+                registry=registry,
+            ).set_function(lambda: lead.longest_gap)
             self.gate = LeaderGate([], lambda: self._leading(), lambda: self._leader())
-            # Nothing goes out before this instance is elected.
+            # Nothing goes out before this instance is elected, nor past its lease.
             controller.agents.dispatching = False
+            controller.agents.lease_valid = self.leadership.valid
 
     def _leading(self) -> bool:
         return self.leadership is None or self.leadership.leading
@@ -142,7 +150,7 @@ class Stateful:
 
     def _fenced(self) -> None:
         assert self.leadership is not None
-        asyncio.get_running_loop().create_task(self.leadership._step_down("a write was fenced"))
+        self.leadership.step_down("a write was fenced")
 
     def _lost(self, why: str) -> None:
         # At once, before anything else can run: nothing more is dispatched or written.
@@ -163,13 +171,11 @@ class Stateful:
         c.publisher.primed.clear()
 
     async def stop(self) -> None:
-        for task in (self._reconciler, *self._tasks):
-            if task is not None:
-                task.cancel()
-        for task in (self._reconciler, *self._tasks):
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reconciler
+        # The last writes go out while the lease is still renewed (on its own thread).
         if self.keeper.persister is not None and self._leading():
             if self._persist is not None:
                 self._persist.cancel()
@@ -179,4 +185,9 @@ class Stateful:
             await self.keeper.persister.flush()
         if self.leadership is not None:
             await self.leadership.resign()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         await self.store.close()

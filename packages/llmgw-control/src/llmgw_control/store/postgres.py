@@ -1,8 +1,10 @@
 """PostgreSQL (through asyncpg): records in one table, the leader's claim in another.
 
-With a leader (see :mod:`llmgw_control.ha`), writes go over the connection that holds
-the session advisory lock, and each write transaction first checks in ``pg_locks``
-that this session still holds it: a deposed leader cannot write.
+With a leader (see :mod:`llmgw_control.ha`), the session advisory lock is held by the
+leadership's own session (on its renewal thread); each write transaction first checks,
+in ``pg_locks``, that this session (by its server pid) still holds the lock, and that
+the epoch row still has this leader's epoch (read ``FOR SHARE``: a new leader's bump
+waits for the write, or the write sees the bump): a deposed leader cannot write.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ HELD = (
     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
     " AND pid = pg_backend_pid() AND classid = $1 AND objid = $2 AND objsubid = 1"
 )
+# The same, for the session with server pid $3 (the leadership's, not this one).
+HELD_BY = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND pid = $3 AND classid = $1 AND objid = $2 AND objsubid = 1"
+)
+EPOCH = "SELECT epoch FROM llmgw_leader WHERE id = 1 FOR SHARE"
 
 
 def lock_parts() -> tuple[int, int]:
@@ -56,8 +64,10 @@ class PostgresStore:
         self.setting = setting
         self.description = f"postgres store {_redacted(settings.dsn)} ({setting})"
         self.conn: Any = None
-        # With HA, every write first verifies that this session holds the leader lock.
+        # With HA, every write first verifies that the leadership's session holds the
+        # leader lock: (its server pid, the epoch it took), set while this instance leads.
         self.ha = False
+        self.fence: tuple[int, int] | None = None
 
     async def connect(self) -> Any:
         password = None
@@ -109,10 +119,17 @@ class PostgresStore:
         except asyncpg.PostgresError as err:
             raise StoreError(f"{self.description}: {err}") from None
 
+    async def _conn(self) -> Any:
+        """The store's connection, made again if it broke (a standby elected later)."""
+        if self.conn is None or self.conn.is_closed():
+            self.conn = await self.connect()
+        return self.conn
+
     async def load(self) -> Records:
         try:
-            rows = await self.conn.fetch("SELECT kind, key, value FROM llmgw_records")
-        except (asyncpg.PostgresError, OSError) as err:
+            conn = await self._conn()
+            rows = await conn.fetch("SELECT kind, key, value FROM llmgw_records")
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
             raise StoreError(f"{self.description}: {err}") from None
         out: Records = {}
         for row in rows:
@@ -123,23 +140,33 @@ class PostgresStore:
         net = group(changes)
         puts = [(k, key, v) for (k, key), v in net.items() if v is not None]
         dels = [(k, key) for (k, key), v in net.items() if v is None]
-        if self.ha and (self.conn is None or self.conn.is_closed()):
-            raise NotLeader(f"{self.description}: no session holds the leader lock")
+        fence = self.fence
+        if self.ha and fence is None:
+            raise NotLeader(f"{self.description}: this instance does not lead")
         try:
-            async with self.conn.transaction():
-                if self.ha and await self.conn.fetchval(HELD, *lock_parts()) != 1:
-                    raise NotLeader(f"{self.description}: this session lost the leader lock")
+            conn = await self._conn()
+            async with conn.transaction():
+                if fence is not None:
+                    pid, epoch = fence
+                    if await conn.fetchval(HELD_BY, *lock_parts(), pid) != 1:
+                        raise NotLeader(f"{self.description}: the leader lock was lost")
+                    if await conn.fetchval(EPOCH) != epoch:
+                        raise NotLeader(f"{self.description}: a newer leader took the lock")
                 if puts:
-                    await self.conn.executemany(
+                    await conn.executemany(
                         "INSERT INTO llmgw_records (kind, key, value) VALUES ($1, $2, $3)"
                         " ON CONFLICT (kind, key) DO UPDATE SET value = excluded.value",
                         puts,
                     )
                 if dels:
-                    await self.conn.executemany(
+                    await conn.executemany(
                         "DELETE FROM llmgw_records WHERE kind = $1 AND key = $2", dels
                     )
         except NotLeader:
+            raise
+        except StoreError:
+            if self.ha:
+                raise NotLeader(f"{self.description}: the store cannot be reached") from None
             raise
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
             if self.ha:
