@@ -323,6 +323,7 @@ _RECONCILE = re.compile(r"^llmgw_control_reconcile_seconds_(sum|count) (\S+)$", 
 
 _STORE = re.compile(r"^llmgw_control_store_(writes|records_written)_total (\S+)$", re.M)
 _LEADER = re.compile(r"^llmgw_control_leader (\S+)$", re.M)
+_GAP = re.compile(r"^llmgw_control_lease_longest_gap_seconds (\S+)$", re.M)
 
 
 def store_totals(text: str) -> dict[str, float]:
@@ -618,6 +619,8 @@ TARGETS = {
     "store: records written per second, heartbeats only (never written)": 0.0,
     "failover: a standby leads after SIGKILL of the leader (s)": 10.0,
     "failover: commands sent to running shards": 0.0,
+    "failover: a, leads lost before the kill (flaps)": 0.0,
+    "failover: b, leads lost (flaps)": 0.0,
 }
 
 
@@ -626,6 +629,23 @@ async def leads(control: ControlProcess) -> bool:
         match = _LEADER.search(await control.metrics())
         return match is not None and float(match.group(1)) == 1
     return False
+
+
+async def longest_gap(control: ControlProcess) -> float:
+    """The longest time between two good lease renewals the instance saw while leading."""
+    match = _GAP.search(await control.metrics())
+    return float(match.group(1)) if match else float("nan")
+
+
+def lost_leads(control: ControlProcess) -> int:
+    """How many times the instance lost the lead (its log says so each time)."""
+    if not control.log.exists():
+        return 0
+    return control.log.read_text(errors="replace").count("lost the lead; dispatching stopped")
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
 
 
 def spread(pid: int) -> None:
@@ -674,6 +694,7 @@ async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, f
     ]  # fmt: skip
     tasks: list[asyncio.Task[None]] = []
     try:
+        results["failover: load average (1 min) at start"] = load1()
         a.start(wait="/metrics")
         deadline = time.monotonic() + 60
         while not await leads(a):
@@ -682,10 +703,17 @@ async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, f
             await asyncio.sleep(0.2)
         b.start(wait="/metrics")
         tasks = [asyncio.create_task(x.run()) for x in agents]
+        began = time.monotonic()
         await wait_until(a, all_ready(args.agents), "all READY under a", args.timeout)
+        results[f"failover: first placement, all {args.agents} READY under a (s)"] = (
+            time.monotonic() - began
+        )
         await asyncio.sleep(args.heartbeat * 2)
         counters.starts = counters.stops = counters.drains = 0
         epoch_a = max(x.epoch for x in agents)
+        results["failover: a, longest gap between lease renewals (s)"] = await longest_gap(a)
+        results["failover: a, leads lost before the kill (flaps)"] = lost_leads(a)
+        results["failover: load average (1 min) at the kill"] = load1()
         a.kill()
         killed = time.monotonic()
         while not await leads(b):
@@ -707,6 +735,11 @@ async def failover_phase(args: argparse.Namespace, workdir: Path) -> dict[str, f
             counters.starts + counters.stops + counters.drains
         )
         results["failover: agents on a newer epoch"] = sum(x.epoch > epoch_a for x in agents)
+        results["failover: b, longest gap between lease renewals (s)"] = await longest_gap(b)
+        results["failover: b, leads lost (flaps)"] = lost_leads(b)
+        if not await leads(b):
+            raise SystemExit("b no longer leads at the end")
+        results["failover: load average (1 min) at the end"] = load1()
     finally:
         for task in tasks:
             task.cancel()
