@@ -19,18 +19,34 @@ streaming chat completions (16 output tokens) for ``--seconds``:
   over them (cache_aware only: it is the one meant to agree across routers).
 
 Targets: llmgw-router ``round_robin``, ``least_outstanding`` and ``cache_aware`` (one
-process, ``workers: 1``, static endpoints: without a control plane it balances on its
-own counts, no engine load reports), and the Rust routers from PyPI on the same
-fleet: ``sglang-router`` (``--policy cache_aware``) and ``vllm-router`` (``--policy
+process, ``workers: 1``), and the Rust routers from PyPI on the same fleet:
+``sglang-router`` (``--policy cache_aware``) and ``vllm-router`` (``--policy
 cache_aware``), looked for in ``.cache/bench-routing`` (``uv venv .cache/bench-routing
 && uv pip install -p .cache/bench-routing/bin/python sglang-router vllm-router``); a
 missing one is skipped. Targets alternate within each workload (and rotate between
 repeats), so a busy neighbour on this shared machine hits all of them alike.
 
+``--fleet control`` (the default) runs the fleet the way llmgw does: a real
+``llmgw-control serve`` and one ``llmgw-agent run`` (a node with one simulated GPU per
+engine) that launches the simulated engines through its vLLM adapter and reads their
+/metrics into load reports; llmgw's routers take their endpoints and the engines' load
+figures from the control plane (``Watch`` and ``WatchLoad``) and are measured once every
+engine's figures have reached them; the Rust routers get the same engines' URLs.
+``--fleet static`` starts the engines directly and gives llmgw's routers static
+endpoints (their own counts only, no engine figures).
+
+``--engine llamacpp`` serves real ``llama-server`` replicas (CPU, the small GGUF model
+the real-engine suite uses; ``--llama-args``, default two slots with their own prompt
+caches and no host-memory cache between them) through the control fleet; give
+``--rate`` and a workload that size fits (``--tenants``, ``--system-words``, ...).
+
 Reported per run: TTFT p50/p90/p99 (client side: request sent to first token), requests
 per second completed, the prefix-cache hit rate (the engines' own
-``vllm:prefix_cache_hits_total`` over ``..._queries_total``), max/mean requests per engine,
-and the router's CPU per request (its process and threads, /proc). The first
+``vllm:prefix_cache_hits_total`` over ``..._queries_total``; each engine's too in
+``--json``), max/mean requests per engine, the router's CPU per request (its process and
+threads, /proc) and the machine's load average at the run's start; llama.cpp: the prompt
+tokens it evaluated per request (``llamacpp:prompt_tokens_total``: a cached prefix is
+not evaluated) instead of a hit rate. The first
 ``--warmup`` fraction of arrivals (cold caches) is sent but not counted.
 
 The engines run ``--time-scale`` (default 2) times slower than the simulator's H100-like
@@ -51,7 +67,9 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +88,23 @@ OUT_TOKENS = 16
 SYSTEM_TOKENS = 2000
 USER_TOKENS = 30
 TENANTS = 32
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The requests' sizes: tenants, words per system prompt and user turn, output tokens
+    (the simulator counts a word as one token; a real tokenizer makes more of them)."""
+
+    tenants: int = TENANTS
+    system: int = SYSTEM_TOKENS
+    user: int = USER_TOKENS
+    out: int = OUT_TOKENS
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.system + self.user + 8  # + the chat template's tokens
+
+
 LLMGW = ("round_robin", "least_outstanding", "cache_aware")
 PEER_TARGETS = ("sglang-router", "vllm-router")
 WORKLOADS = {"a": "tenants", "b": "unique", "c": "hot", "d": "tenants x4"}
@@ -97,11 +132,13 @@ class Fleet:
     def decode_seq_time(self) -> float:
         return 0.0001 * self.time_scale
 
-    def capacity(self, prompt_tokens: int) -> float:
+    def capacity(self, shape: Shape) -> float:
         """Requests/s the fleet serves when nothing is cached: each request's prefill,
         its share of the steps' fixed cost and its decodes, engine by engine."""
         per_request = (
-            prompt_tokens / self.prefill_rate + self.step_time + OUT_TOKENS * self.decode_seq_time
+            shape.prompt_tokens / self.prefill_rate
+            + self.step_time
+            + shape.out * self.decode_seq_time
         )
         return self.engines / per_request
 
@@ -139,25 +176,25 @@ def _words(prefix: str, n: int) -> str:
     return " ".join(f"{prefix}w{i}" for i in range(n))
 
 
-def request_bodies(workload: str, count: int, seed: int) -> list[bytes]:
+def request_bodies(workload: str, count: int, seed: int, shape: Shape = Shape()) -> list[bytes]:
     rng = random.Random(seed)
-    systems = [_words(f"t{t}", SYSTEM_TOKENS) for t in range(TENANTS)]
+    systems = [_words(f"t{t}", shape.system) for t in range(shape.tenants)]
     out: list[bytes] = []
     for i in range(count):
         if workload in ("tenants", "tenants x4"):
-            system = systems[rng.randrange(TENANTS)]
+            system = systems[rng.randrange(shape.tenants)]
         elif workload == "hot":
             system = systems[0]
         else:
-            system = _words(f"u{seed}r{i}", SYSTEM_TOKENS)
-        user = " ".join(f"q{i}x{rng.randrange(10**6)}" for _ in range(USER_TOKENS))
+            system = _words(f"u{seed}r{i}", shape.system)
+        user = " ".join(f"q{i}x{rng.randrange(10**6)}" for _ in range(shape.user))
         body = {
             "model": MODEL,
             "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": user},
             ],
-            "max_tokens": OUT_TOKENS,
+            "max_tokens": shape.out,
             "stream": True,
         }
         out.append(json.dumps(body).encode())
@@ -194,6 +231,9 @@ class Result:
     router_cpu: float = 0.0  # seconds, all router processes, over every request sent
     all_sent: int = 0  # warm-up included
     loadgen_cpu: float = 0.0
+    watched: int = 0  # samples of every engine's running/waiting (after the warm-up)
+    idle_while_queued: int = 0  # of them: an engine idle while another had requests waiting
+    prompt_evaluated: float = math.nan  # llama.cpp: prompt tokens evaluated per request
     loadavg: str = ""  # /proc/loadavg's 1, 5 and 15 minute figures at the run's start
     control_cpu: float = 0.0  # seconds: control plane and agent, over the run (control fleet)
 
@@ -240,6 +280,10 @@ class Result:
             if self.duration
             else None,
             "loadavg": self.loadavg,
+            "idle_while_queued": f"{self.idle_while_queued}/{self.watched}",
+            "prompt_tokens_evaluated_per_req": None
+            if math.isnan(self.prompt_evaluated)
+            else round(self.prompt_evaluated, 1),
         }
 
 
@@ -339,6 +383,42 @@ def control_fleet_up(fleet: Fleet, workdir: Path) -> Iterator[tuple[Cluster, lis
         yield cluster, urls
 
 
+@contextlib.contextmanager
+def llamacpp_fleet_up(
+    args: argparse.Namespace, workdir: Path
+) -> Iterator[tuple[Cluster, list[str]]]:
+    """``--engines`` real llama-server replicas of the small GGUF model on one CPU node,
+    launched by ``llmgw-agent`` under ``llmgw-control`` (tests-real-engine's profile)."""
+    from bench_real_engine import find_gguf, find_llama_server
+
+    server, gguf = find_llama_server(args.llama_server), find_gguf(args.gguf)
+    if server is None or gguf is None:
+        raise SystemExit(
+            "bench_routing --engine llamacpp: no llama-server or model here "
+            "(run `nox -s real_engine` once, or pass --llama-server and --gguf)"
+        )
+    profile = {
+        "engine": "llamacpp",
+        "model_ref": str(gguf),
+        "engine_args": args.llama_args.split(),
+        "gpus_per_node": 0,
+        "cpu_threads": args.cpu_threads,
+        "served_model_names": [MODEL],
+        "replicas": args.engines,
+        "load_timeout": "300s",
+    }
+    with Cluster(workdir, insecure=True, timings={"load_interval": "250ms"}) as cluster:
+        cluster.start_control([{"name": MODEL, "profiles": {"cpu": profile}}])
+        cluster.start_agent(
+            "cpu-0",
+            simulate_gpus=None,
+            engines={"llamacpp": {"command": [str(server)]}},
+            stop_engines_on_exit=True,
+        )
+        replicas = cluster.wait_replicas(MODEL, args.engines, timeout=300)
+        yield cluster, sorted(str(r["endpoint"]) for r in replicas)
+
+
 def _router_endpoints(admin: int) -> list[dict[str, object]]:
     status, body = http_get(f"http://127.0.0.1:{admin}/v1/endpoints", timeout=5)
     return list(json.loads(body)["endpoints"]) if status == 200 else []
@@ -428,6 +508,42 @@ def router_up(
         yield urls, pids
 
 
+def _watch_idle(engines: Sequence[str], stop: threading.Event, after: float, into: Result) -> None:
+    """Every 0.25 s once the warm-up arrivals are sent, each engine's running and waiting
+    requests (its own /metrics): how often one had nothing to do while another queued."""
+    start = time.monotonic()
+    while not stop.wait(0.25):
+        if time.monotonic() - start < after:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            samples = [_engine_samples(u) for u in engines]
+            # vLLM's names, or llama-server's (the other's are absent: 0).
+            running = [
+                _sum(x, "vllm:num_requests_running") + _sum(x, "llamacpp:requests_processing")
+                for x in samples
+            ]
+            waiting = [
+                _sum(x, "vllm:num_requests_waiting") + _sum(x, "llamacpp:requests_deferred")
+                for x in samples
+            ]
+            into.watched += 1
+            if any(r == 0 and w == 0 for r, w in zip(running, waiting, strict=True)) and any(
+                w > 0 for w in waiting
+            ):
+                into.idle_while_queued += 1
+
+
+def _warm_engine(url: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
 def _tree_cpu(pid: int) -> float:
     """CPU of a process and its children (llmgw-router may fork workers)."""
     total = cpu_seconds(pid)
@@ -440,17 +556,23 @@ def _tree_cpu(pid: int) -> float:
 def run_one(
     fleet: Fleet, workload: str, target: str, args: argparse.Namespace, logs: Path, seed: int
 ) -> Result:
-    prompt_tokens = SYSTEM_TOKENS + USER_TOKENS + 8  # + the chat template's tokens
-    rate = args.load * fleet.capacity(prompt_tokens)
+    shape: Shape = args.shape
+    rate = args.rate or args.load * fleet.capacity(shape)
     times = arrival_times(rate, args.seconds, seed)
-    bodies = request_bodies(workload, len(times), seed)
+    bodies = request_bodies(workload, len(times), seed, shape)
     warm = int(len(times) * args.warmup)
     copies = 4 if workload == "tenants x4" else 1
     result = Result(workload, target, rate)
     result.loadavg = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     with contextlib.ExitStack() as stack:
         cluster: Cluster | None = None
-        if args.fleet == "control":
+        if args.engine == "llamacpp":
+            workdir = Path(tempfile.mkdtemp(prefix="run-", dir=logs))
+            cluster, engines = stack.enter_context(llamacpp_fleet_up(args, workdir))
+            # The engine's first prompt (its warm-up) is not what is measured.
+            for url in engines:
+                _warm_engine(url)
+        elif args.fleet == "control":
             workdir = Path(tempfile.mkdtemp(prefix="run-", dir=logs))
             cluster, engines = stack.enter_context(control_fleet_up(fleet, workdir))
         else:
@@ -479,7 +601,17 @@ def run_one(
                 loop.call_later(start_at, lambda: loop.run_in_executor(None, mark))
             return await drive(urls, bodies, times, warm)
 
-        results, duration = asyncio.run(main())
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=_watch_idle,
+            args=(engines, stop, times[warm] if warm < len(times) else 0.0, result),
+        )
+        watcher.start()
+        try:
+            results, duration = asyncio.run(main())
+        finally:
+            stop.set()
+            watcher.join()
         result.router_cpu = sum(_tree_cpu(p) for p in pids) - cpu0
         result.loadgen_cpu = cpu_seconds(os.getpid()) - me0
         result.control_cpu = sum(cpu_seconds(p) for p in side) - side0
@@ -504,10 +636,29 @@ def run_one(
         q = _sum(a, "vllm:prefix_cache_queries_total") - _sum(b, "vllm:prefix_cache_queries_total")
         h = _sum(a, "vllm:prefix_cache_hits_total") - _sum(b, "vllm:prefix_cache_hits_total")
         result.per_engine_hit.append(h / q if q else 0.0)
-    result.per_engine = [
-        int(_sum(a, "vllm:request_success_total") - _sum(b, "vllm:request_success_total"))
-        for a, b in zip(after, before, strict=True)
-    ]
+    if args.engine == "llamacpp":
+        # llama-server counts no requests; its generated tokens over the tokens per request
+        # do, and its evaluated prompt tokens show the cache (what a hit does not evaluate).
+        result.per_engine = [
+            round(
+                (
+                    _sum(a, "llamacpp:tokens_predicted_total")
+                    - _sum(b, "llamacpp:tokens_predicted_total")
+                )
+                / shape.out
+            )
+            for a, b in zip(after, before, strict=True)
+        ]
+        evaluated = sum(
+            _sum(a, "llamacpp:prompt_tokens_total") - _sum(b, "llamacpp:prompt_tokens_total")
+            for a, b in zip(after, before, strict=True)
+        )
+        result.prompt_evaluated = evaluated / max(1, sum(result.per_engine))
+    else:
+        result.per_engine = [
+            int(_sum(a, "vllm:request_success_total") - _sum(b, "vllm:request_success_total"))
+            for a, b in zip(after, before, strict=True)
+        ]
     result.all_sent = len(times)
     return result
 
@@ -519,17 +670,24 @@ def _fmt(x: float, unit: str = "") -> str:
     return "-" if math.isnan(x) else f"{x:.0f}{unit}" if abs(x) >= 100 else f"{x:.1f}{unit}"
 
 
+def _hits(r: Result) -> str:
+    if math.isnan(r.prompt_evaluated):
+        return f"{100 * r.hit_rate:.0f} %"
+    return f"{r.prompt_evaluated:.0f} prompt tokens evaluated/req"
+
+
 def table(results: Sequence[Result]) -> str:
     lines = [
         "| workload | target | req/s offered | TTFT p50 | p90 | p99 | req/s done | hit rate "
-        "| max/mean | router CPU/req | errors | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| max/mean | idle while queued | router CPU/req | errors | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.workload} | {r.target} | {r.rate:.1f} | {_fmt(1000 * r.pct(0.5), ' ms')} "
             f"| {_fmt(1000 * r.pct(0.9), ' ms')} | {_fmt(1000 * r.pct(0.99), ' ms')} "
-            f"| {r.throughput:.1f} | {100 * r.hit_rate:.0f} % | {r.max_mean:.2f} "
+            f"| {r.throughput:.1f} | {_hits(r)} | {r.max_mean:.2f} "
+            f"| {r.idle_while_queued}/{r.watched} "
             f"| {_fmt(r.cpu_ms_per_request, ' ms')} | {r.errors} | {r.loadavg} |"
         )
     return "\n".join(lines)
@@ -544,12 +702,15 @@ def ratios(results: Sequence[Result]) -> list[str]:
         ]
         return statistics.median(vals) if vals else math.nan
 
-    def p90(workload: str, target: str) -> float:
-        vals = [r.pct(0.9) for r in results if r.workload == workload and r.target == target]
+    def p90(workload: str, target: str, q: float = 0.9) -> float:
+        vals = [r.pct(q) for r in results if r.workload == workload and r.target == target]
         return statistics.median(vals) if vals else math.nan
 
     out = []
     ca = "cache_aware"
+    a, b = p90("tenants", ca, 0.5), p90("tenants", "round_robin", 0.5)
+    if not (math.isnan(a) or math.isnan(b)):
+        out.append(f"tenants: TTFT p50 cache_aware / round_robin = {a / b:.2f}")
     for workload, other in (
         ("tenants", "round_robin"),
         ("tenants", "sglang-router"),
@@ -612,14 +773,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fed by its endpoint and load streams; static: engines started directly, llmgw "
         "routers with static endpoints and their own counts only",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "llamacpp"),
+        default="sim",
+        help="llamacpp: real llama-server replicas (CPU) of the small GGUF model through the "
+        "control fleet; give --rate and a smaller --tenants/--system-words",
+    )
+    parser.add_argument("--rate", type=float, help="requests/s offered (default: from --load)")
+    parser.add_argument("--tenants", type=int, default=TENANTS)
+    parser.add_argument("--system-words", type=int, default=SYSTEM_TOKENS)
+    parser.add_argument("--user-words", type=int, default=USER_TOKENS)
+    parser.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
+    parser.add_argument("--llama-server", help="llamacpp: the llama-server binary")
+    parser.add_argument("--gguf", help="llamacpp: the model file")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="llamacpp: per replica")
+    parser.add_argument(
+        "--llama-args",
+        default="-c 4096 --parallel 2 --cache-ram 0",
+        help="llamacpp: the profile's engine_args (default: 2 slots, each its own prompt "
+        "cache, no host-memory cache shared by the slots)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    args.shape = Shape(args.tenants, args.system_words, args.user_words, args.out_tokens)
     if args.cache_aware_epsilon is not None:
         CACHE_AWARE["epsilon"] = args.cache_aware_epsilon
     if args.cache_aware_slack is not None:
         CACHE_AWARE["slack"] = args.cache_aware_slack
     use_uvloop()
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)
+    if args.engine == "llamacpp":
+        args.fleet = "control"
+        if args.rate is None:
+            parser.error("--engine llamacpp needs --rate (requests/s the replicas can serve)")
     targets = [t for t in args.targets if t in LLMGW or (PEERS / t).exists()]
     for t in set(args.targets) - set(targets):
         print(f"# {t}: not installed under {PEERS}, skipped", file=sys.stderr)
@@ -652,7 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"fleet ({args.fleet}): {fleet.engines} simulated vLLM engines, prefill {fleet.prefill_rate:g} "
             f"tokens/s, step {1000 * fleet.step_time:g} ms + {1000 * fleet.decode_seq_time:g} "
             f"ms/sequence, KV {fleet.kv_blocks} blocks x {fleet.block_size}; "
-            f"no-cache capacity {fleet.capacity(SYSTEM_TOKENS + USER_TOKENS + 8):.1f} req/s"
+            f"no-cache capacity {fleet.capacity(args.shape):.1f} req/s; {args.shape}"
         )
         print(table(results))
         for line in ratios(results):
