@@ -13,11 +13,18 @@ microsecond here is added to every request. One request:
 4. pass every further chunk on as it arrives; after the first byte a failure ends
    an SSE stream with an error event and `[DONE]`.
 
-A task watches the client side: a disconnect cancels the request, which closes the
-upstream connection and so ends the engine's work at once.
+A client that goes away cancels the request, which closes the upstream connection and
+so ends the engine's work at once.
+
+Two servers feed it. The default is the router's own HTTP/1.1 protocol (protocol.py):
+it parses the request itself and calls :meth:`ProxyApp.serve_request` with the whole
+body, and sees a disconnect as the connection's loss. `server: hypercorn` runs the same
+proxy as a plain ASGI app (``__call__``), where a task watches ``receive`` for the
+disconnect. Both answer through a :class:`Reply` (``start``, then ``body`` until the
+last).
 
 Everything one request carries lives in one :class:`RequestContext`; its outcome is
-counted in the request metrics at one place, when ``__call__`` ends.
+counted in the request metrics at one place, when the request ends.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -43,7 +50,7 @@ from llmgw_router.retry import RetryPolicy, Verdict, after_failure, retry_tiers
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
 
-__all__ = ["ProxyApp", "RequestContext", "RouterState"]
+__all__ = ["Incoming", "ProxyApp", "Reply", "RequestContext", "RouterState"]
 
 log = structlog.get_logger(__name__)
 
@@ -108,19 +115,54 @@ class _UpstreamFailure(Exception):
         self.response = response
 
 
-class _Exchange:
-    """The client side of one request: notes when the last response message goes out."""
+Headers = dict[bytes, bytes]
 
-    __slots__ = ("_send", "finishing")
 
-    def __init__(self, send: Send) -> None:
+class Reply(Protocol):
+    """Where one request's answer goes: a head, then body pieces until the last.
+
+    ``gone`` is set (and ``task`` cancelled) when the client goes away first.
+    """
+
+    gone: bool
+    task: asyncio.Task[Any] | None
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def body(self, data: bytes, more: bool = False) -> None: ...
+
+
+class Incoming(Reply, Protocol):
+    """A request the router's own HTTP server has read whole (protocol.py)."""
+
+    method: str
+    path: str
+    # Lower-case names; the first of repeated headers.
+    headers: Headers
+    content: bytes
+    # The body went over max_body_bytes (and was not kept): answer 413.
+    too_large: bool
+    declared_length: int | None
+
+
+class _AsgiReply:
+    """A :class:`Reply` as ASGI messages; notes when the last one goes out."""
+
+    __slots__ = ("_send", "finishing", "gone", "task")
+
+    def __init__(self, send: Send, task: asyncio.Task[Any] | None) -> None:
         self._send = send
         self.finishing = False
+        self.gone = False
+        self.task = task
 
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = False) -> None:
+        if not more:
             self.finishing = True
-        await self._send(message)
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
 
 class _ClientGone(Exception):
@@ -163,24 +205,26 @@ class _Outcome:
         self.error_status = 0
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
+def _asgi_headers(scope: Scope) -> Headers:
+    headers: Headers = {}
     for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
+        headers.setdefault(bytes(key), bytes(value))
+    return headers
 
 
 async def _respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    reply: Reply, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await reply.start(status, [*_JSON, (b"content-length", b"%d" % len(body)), *(headers or [])])
+    await reply.body(body)
+
+
+def _too_large(limit: int, declared: int | None) -> ApiError:
+    if declared is not None:
+        message = f"request body of {declared} bytes is over the limit of {limit} bytes"
+    else:
+        message = f"request body is over the limit of {limit} bytes"
+    return ApiError(413, message, code="request_too_large")
 
 
 def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
@@ -203,7 +247,7 @@ def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
 
 
 class ProxyApp:
-    """ASGI app for the OpenAI routes."""
+    """The OpenAI routes: :meth:`serve_request` for the router's own server, ASGI otherwise."""
 
     def __init__(
         self, state: RouterState, pool: Pool | None = None, api_keys: tuple[ApiKey, ...] = ()
@@ -222,15 +266,40 @@ class ProxyApp:
         self._max_blocks = config.cache_aware.max_blocks
         self.holds = Holds(state)
 
+    async def serve_request(self, request: Incoming) -> None:
+        """One request read whole by the router's own HTTP server, answered to the end."""
+        outcome = _Outcome()
+        try:
+            api_key = self._admit(request.method, request.path, request.headers)
+            if request.path == "/v1/models":
+                await _respond(request, 200, self._models_body(api_key))
+            else:
+                self._check_draining()
+                if request.too_large:
+                    raise _too_large(self.state.config.max_body_bytes, request.declared_length)
+                ctx = await self._context(request.path, request.headers, request.content, api_key)
+                await self._run(ctx, request, outcome)
+        except ApiError as err:
+            outcome.error_status = err.status
+            await _respond(request, err.status, err.body(), err.headers)
+        except asyncio.CancelledError:
+            # The client went away while the request waited (held, say): nothing to answer.
+            if not request.gone or request.task is None:
+                raise
+            request.task.uncancel()
+        finally:
+            self._count(outcome)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             outcome = _Outcome()
+            reply = _AsgiReply(send, asyncio.current_task())
             try:
-                await self._route(scope, receive, send, outcome)
+                await self._route(scope, receive, reply, outcome)
             except ApiError as err:
                 outcome.error_status = err.status
-                await _respond(send, err.status, err.body(), err.headers)
+                await _respond(reply, err.status, err.body(), err.headers)
             finally:
                 self._count(outcome)
         elif kind == "lifespan":
@@ -253,31 +322,50 @@ class ProxyApp:
             # Labelled without model and endpoint: the model may be any string a client sent.
             metrics.child(metrics.requests, "", str(outcome.error_status), "").inc()
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, outcome: _Outcome) -> None:
-        path = scope["path"]
-        method = scope["method"]
+    def _admit(self, method: str, path: str, headers: Headers) -> ApiKey | None:
+        """Route and key checks: the caller's key (None: open access), or an ApiError."""
         if path in PROXIED_PATHS:
             if method != "POST":
                 raise ApiError(
                     405, f"{method} is not allowed on {path}; use POST", code="method_not_allowed"
                 )
-            api_key = self._authorize(scope)
-            await self._proxy(scope, receive, send, outcome, api_key)
         elif path == "/v1/models":
             if method != "GET":
                 raise ApiError(
                     405, f"{method} is not allowed on {path}; use GET", code="method_not_allowed"
                 )
-            api_key = self._authorize(scope)
-            await _respond(send, 200, self._models_body(api_key))
         else:
             raise ApiError(404, f"no route {method} {path}", code="not_found")
+        return self._authorize(headers)
 
-    def _authorize(self, scope: Scope) -> ApiKey | None:
+    async def _route(
+        self, scope: Scope, receive: Receive, reply: _AsgiReply, outcome: _Outcome
+    ) -> None:
+        path = scope["path"]
+        headers = _asgi_headers(scope)
+        api_key = self._admit(scope["method"], path, headers)
+        if path == "/v1/models":
+            await _respond(reply, 200, self._models_body(api_key))
+            return
+        self._check_draining()
+        try:
+            body = await self._read_body(headers, receive)
+        except _ClientGone:
+            return
+        ctx = await self._context(path, headers, body, api_key)
+        task = reply.task
+        assert task is not None
+        watcher = asyncio.create_task(self._watch_client(receive, reply))
+        try:
+            await self._run(ctx, reply, outcome)
+        finally:
+            watcher.cancel()
+
+    def _authorize(self, headers: Headers) -> ApiKey | None:
         """The caller's key; None when the router has no keys (open access)."""
         if not self._keys:
             return None
-        header = _header(scope, b"authorization") or b""
+        header = headers.get(b"authorization") or b""
         scheme, _, token = header.partition(b" ")
         token = token.strip()
         # Every key is compared, in constant time each, so timing says nothing about which.
@@ -311,24 +399,16 @@ class ProxyApp:
                 )
         return msgspec.json.encode({"object": "list", "data": data})
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+    async def _read_body(self, headers: Headers, receive: Receive) -> bytes:
         limit = self.state.config.max_body_bytes
-        length = _header(scope, b"content-length")
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(
-                413,
-                f"request body of {int(length)} bytes is over the limit of {limit} bytes",
-                code="request_too_large",
-            )
+            raise _too_large(limit, int(length))
         message = await receive()
         body: bytes = message.get("body", b"")
         if not message.get("more_body", False):
             if len(body) > limit:
-                raise ApiError(
-                    413,
-                    f"request body is over the limit of {limit} bytes",
-                    code="request_too_large",
-                )
+                raise _too_large(limit, None)
             return body
         parts = bytearray(body)
         while message.get("more_body", False):
@@ -337,11 +417,7 @@ class ProxyApp:
                 raise _ClientGone
             parts += message.get("body", b"")
             if len(parts) > limit:
-                raise ApiError(
-                    413,
-                    f"request body is over the limit of {limit} bytes",
-                    code="request_too_large",
-                )
+                raise _too_large(limit, None)
         return bytes(parts)
 
     def _parse(self, body: bytes) -> _RequestHead:
@@ -418,9 +494,9 @@ class ProxyApp:
         raise self._no_endpoints(model)
 
     def _candidates(
-        self, scope: Scope, model: str, endpoints: tuple[Endpoint, ...]
+        self, headers: Headers, model: str, endpoints: tuple[Endpoint, ...]
     ) -> tuple[Endpoint, ...]:
-        pinned = _header(scope, PROFILE_HEADER)
+        pinned = headers.get(PROFILE_HEADER)
         if pinned is not None:
             profile = pinned.decode("latin-1")
             chosen = tuple(ep for ep in endpoints if ep.spec.profile == profile)
@@ -465,17 +541,8 @@ class ProxyApp:
             headers=[(b"retry-after", str(retry_after).encode())],
         )
 
-    async def _proxy(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        outcome: _Outcome,
-        api_key: ApiKey | None = None,
-    ) -> None:
-        state = self.state
-        started = now()
-        if state.draining:
+    def _check_draining(self) -> None:
+        if self.state.draining:
             raise ApiError(
                 503,
                 "the router is shutting down",
@@ -483,10 +550,12 @@ class ProxyApp:
                 code="shutting_down",
                 headers=[(b"retry-after", b"1"), (b"connection", b"close")],
             )
-        try:
-            body = await self._read_body(scope, receive)
-        except _ClientGone:
-            return
+
+    async def _context(
+        self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None
+    ) -> RequestContext:
+        """The request's routing facts from its body and headers; ApiError if it has none."""
+        started = now()
         head = self._parse(body)
         model = head.model
         if api_key is not None and not api_key.allows(model):
@@ -499,56 +568,56 @@ class ProxyApp:
             )
         endpoints = await self._endpoints_of(model)
         deadlines = self._deadlines(model)
+        forward = []
+        for name in _FORWARD_REQUEST:
+            value = headers.get(name)
+            if value is not None:
+                forward.append((name, value))
         ctx = RequestContext(
-            path=scope["path"],
+            path=path,
             body=body,
-            headers=[(k, v) for k, v in scope["headers"] if k in _FORWARD_REQUEST],
+            headers=forward,
             model=model,
-            candidates=self._candidates(scope, model, endpoints),
+            candidates=self._candidates(headers, model, endpoints),
             deadlines=deadlines,
             started=started,
             deadline=started + deadlines.total,
         )
-        if state.config.balancer == "session_affinity":
-            raw = _header(scope, self._affinity_header)
+        if self.state.config.balancer == "session_affinity":
+            raw = headers.get(self._affinity_header)
             ctx.affinity_key = raw.decode("latin-1") if raw else head.user
         elif isinstance(head, _RequestHeadWithPrompt):
             prompt = head.messages or head.prompt
             if prompt:
                 ctx.prefix = prefix_blocks(bytes(prompt), self._block_bytes, self._max_blocks)
+        return ctx
 
-        task = asyncio.current_task()
-        assert task is not None
-        gone = asyncio.Event()
-        exchange = _Exchange(send)
-        watcher = asyncio.create_task(self._watch_client(receive, task, gone, exchange))
+    async def _run(self, ctx: RequestContext, reply: Reply, outcome: _Outcome) -> None:
+        state = self.state
         state.in_flight += 1
         outcome.ctx = ctx
         try:
-            await self._serve(ctx, exchange.send)
+            await self._serve(ctx, reply)
         except asyncio.CancelledError:
-            if not gone.is_set():
+            if not reply.gone or reply.task is None:
                 raise
             # The client went away: the upstream request is closed by now; nothing to answer.
-            task.uncancel()
-            state.metrics.child(state.metrics.client_disconnects, model).inc()
-            log.info("client disconnected", model=model, after=round(now() - started, 3))
+            reply.task.uncancel()
+            state.metrics.child(state.metrics.client_disconnects, ctx.model).inc()
+            log.info("client disconnected", model=ctx.model, after=round(now() - ctx.started, 3))
         finally:
             state.in_flight -= 1
-            watcher.cancel()
 
     @staticmethod
-    async def _watch_client(
-        receive: Receive, handler: asyncio.Task[Any], gone: asyncio.Event, exchange: _Exchange
-    ) -> None:
+    async def _watch_client(receive: Receive, reply: _AsgiReply) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 # Some servers (hypercorn) also say "disconnect" once the response is
                 # complete; only one that comes before the last byte cancels anything.
-                if not exchange.finishing:
-                    gone.set()
-                    handler.cancel()
+                if not reply.finishing and reply.task is not None:
+                    reply.gone = True
+                    reply.task.cancel()
                 return
 
     def _pick(self, ctx: RequestContext) -> Endpoint | None:
@@ -570,7 +639,7 @@ class ProxyApp:
                 return ep
         return None
 
-    async def _serve(self, ctx: RequestContext, send: Send) -> None:
+    async def _serve(self, ctx: RequestContext, send: Reply) -> None:
         state = self.state
         metrics = state.metrics
         state.budget.on_request(ctx.started)
@@ -615,12 +684,12 @@ class ProxyApp:
             metrics.child(metrics.retries, ctx.model).inc()
 
     async def _give_up(
-        self, ctx: RequestContext, send: Send, ep: Endpoint, failure: _UpstreamFailure
+        self, ctx: RequestContext, send: Reply, ep: Endpoint, failure: _UpstreamFailure
     ) -> None:
         if failure.response is not None:
             status, headers, payload = failure.response
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": payload})
+            await send.start(status, headers)
+            await send.body(payload)
         else:
             status = 504 if failure.reason.startswith("timeout") else 502
             await _respond(
@@ -635,7 +704,7 @@ class ProxyApp:
             )
         ctx.status, ctx.endpoint = status, ep.id
 
-    async def _attempt(self, ctx: RequestContext, send: Send, ep: Endpoint) -> None:
+    async def _attempt(self, ctx: RequestContext, send: Reply, ep: Endpoint) -> None:
         state = self.state
         pool = self.pool
         assert pool is not None
@@ -644,21 +713,27 @@ class ProxyApp:
         response: Response | None = None
         clean = False
         try:
-            wait = min(deadlines.first_byte, ctx.deadline - now())
+            # On the event loop's clock, which the upstream client's timers use.
+            wait = max(0.0, min(deadlines.first_byte, ctx.deadline - now()))
+            first_byte_by = pool.loop.time() + wait
             try:
-                async with asyncio.timeout(max(0.0, wait)):
-                    response = await pool.post(
-                        ep.url, ctx.path, ctx.body, ctx.headers, connect_timeout=deadlines.connect
+                response = await pool.post(
+                    ep.url,
+                    ctx.path,
+                    ctx.body,
+                    ctx.headers,
+                    connect_timeout=deadlines.connect,
+                    deadline=first_byte_by,
+                )
+                status = response.status
+                if status >= 500 or status == 429:
+                    payload = await response.read(first_byte_by)
+                    raise _UpstreamFailure(
+                        "status_429" if status == 429 else "status_5xx",
+                        f"{ep.id} answered {status}",
+                        (status, self._response_headers(response), payload),
                     )
-                    status = response.status
-                    if status >= 500 or status == 429:
-                        payload = await response.read()
-                        raise _UpstreamFailure(
-                            "status_429" if status == 429 else "status_5xx",
-                            f"{ep.id} answered {status}",
-                            (status, self._response_headers(response), payload),
-                        )
-                    first = await response.read_chunk()
+                first = await response.read_chunk(first_byte_by)
             except TimeoutError:
                 raise _UpstreamFailure(
                     "timeout_first_byte",
@@ -686,25 +761,20 @@ class ProxyApp:
         return [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
 
     async def _relay(
-        self, ctx: RequestContext, send: Send, ep: Endpoint, response: Response, first: bytes
+        self, ctx: RequestContext, send: Reply, ep: Endpoint, response: Response, first: bytes
     ) -> bool:
         """Pass the response on chunk by chunk; True when it ended cleanly."""
         metrics = self.state.metrics
         model = ctx.model
         deadlines = ctx.deadlines
-        loop = asyncio.get_running_loop()
+        assert self.pool is not None
+        loop = self.pool.loop
         status = response.status
         content_type = next((v for k, v in response.headers if k == b"content-type"), b"")
         streamed = content_type.startswith(b"text/event-stream")
         ttft = now() - ctx.started
         metrics.child(metrics.ttft, model).observe(ttft)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": self._response_headers(response),
-            }
-        )
+        await send.start(status, self._response_headers(response))
         # What usage is read from: the whole (small) JSON body, or a stream's last chunks.
         previous = b""
         last = first
@@ -714,31 +784,29 @@ class ProxyApp:
         if first and response.at_eof:
             # All of it came in one read (small JSON answers, fast short streams): one write.
             clean = ended = True
-            await send({"type": "http.response.body", "body": first})
+            await send.body(first)
         elif first:
             gap = metrics.child(metrics.gap, model) if streamed else None
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-            # The chunk loop runs on the event loop's clock (what asyncio's timeouts use),
+            await send.body(first, True)
+            # The chunk loop runs on the event loop's clock (what the client's timers use),
             # with the request's deadline carried over from the router's clock once.
             last_at = loop.time()
+            total_at = last_at + (ctx.deadline - now())
+            idle = deadlines.idle
             try:
-                async with asyncio.timeout(None) as deadline:
-                    total_at = last_at + (ctx.deadline - now())
-                    idle = deadlines.idle
-                    while True:
-                        deadline.reschedule(min(last_at + idle, total_at))
-                        chunk = await response.read_chunk()
-                        if not chunk:
-                            clean = True
-                            break
-                        at = loop.time()
-                        if gap is not None:
-                            gap.observe(at - last_at)
-                        last_at = at
-                        previous, last = last, chunk
-                        if collected is not None and len(collected) < 1 << 20:
-                            collected += chunk
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                while True:
+                    chunk = await response.read_chunk(min(last_at + idle, total_at))
+                    if not chunk:
+                        clean = True
+                        break
+                    at = loop.time()
+                    if gap is not None:
+                        gap.observe(at - last_at)
+                    last_at = at
+                    previous, last = last, chunk
+                    if collected is not None and len(collected) < 1 << 20:
+                        collected += chunk
+                    await send.body(chunk, True)
             except TimeoutError:
                 failure = (
                     f"no data from {ep.id} for {idle:g}s"
@@ -756,17 +824,12 @@ class ProxyApp:
                 "stream failed after first byte", endpoint=ep.id, model=model, error=failure
             )
             if streamed:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": sse_error_event(failure, "upstream_error"),
-                    }
-                )
+                await send.body(sse_error_event(failure, "upstream_error"))
             else:
                 # Nothing honest can be appended to a half-sent JSON body: end it short.
-                await send({"type": "http.response.body", "body": b""})
+                await send.body(b"")
         elif not ended:
-            await send({"type": "http.response.body", "body": b""})
+            await send.body(b"")
         usage = _usage_from(
             bytes(collected) if collected is not None else previous + last, streamed
         )

@@ -31,6 +31,7 @@ from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.framing import OpenAIErrorsProtocol
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
+from llmgw_router.protocol import protocol_factory, sweep_idle
 from llmgw_router.proxy import ProxyApp, RouterState
 from llmgw_router.upstream import Pool
 from llmgw_router.workers import EjectionShare, WorkerContext, reuseport_socket
@@ -39,62 +40,8 @@ __all__ = ["run", "serve"]
 
 log = structlog.get_logger(__name__)
 
-
-class _HeadCork:
-    """A transport that sends a response head together with the body that follows it.
-
-    uvicorn writes `http.response.start` and the first body message as two writes: two
-    system calls and two TCP segments per answer. The head is held until the next write
-    (the proxy sends the first body bytes right after the head, in the same step) or
-    the end of the loop iteration, whichever comes first; every other write goes
-    straight through, so a stream's chunks cost nothing more.
-    """
-
-    __slots__ = ("_head", "_loop", "_transport")
-
-    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._head: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        head = self._head
-        if head is not None:
-            self._head = None
-            self._transport.write(head + data)
-        elif data[:5] == b"HTTP/" and data[-4:] == b"\r\n\r\n":
-            self._head = data
-            self._loop.call_soon(self.flush)
-        else:
-            self._transport.write(data)
-
-    def flush(self) -> None:
-        head = self._head
-        if head is not None:
-            self._head = None
-            self._transport.write(head)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._head = None
-        self._transport.abort()
-
-    def is_closing(self) -> bool:
-        return bool(self._transport.is_closing())
-
-    def get_write_buffer_size(self) -> int:
-        return int(self._transport.get_write_buffer_size()) + len(self._head or b"")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _Protocol(OpenAIErrorsProtocol):
-    def connection_made(self, transport: Any) -> None:
-        super().connection_made(_HeadCork(transport, self.loop))  # type: ignore[arg-type]
+# Seconds an idle client connection is kept open.
+KEEP_ALIVE = 75
 
 
 class _Server(uvicorn.Server):
@@ -105,15 +52,18 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _uvicorn(app: Any, address: str, grace: float, *, uds: str | None = None) -> _Server:
+def _uvicorn(
+    app: Any, address: str, grace: float, *, uds: str | None = None, protocol: Any = None
+) -> _Server:
     host, port = parse_hostport(address, default_host="0.0.0.0", allow_port_zero=True)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         uds=uds,
-        # uvicorn's httptools protocol, with framing errors answered in OpenAI shape.
-        http=_Protocol,
+        # The proxy's own protocol (protocol.py), or for the admin app uvicorn's
+        # httptools protocol with framing errors answered in OpenAI shape.
+        http=protocol or OpenAIErrorsProtocol,
         lifespan="off",
         access_log=False,
         log_config=None,
@@ -121,7 +71,7 @@ def _uvicorn(app: Any, address: str, grace: float, *, uds: str | None = None) ->
         proxy_headers=False,
         server_header=False,
         timeout_graceful_shutdown=int(grace) or 1,
-        timeout_keep_alive=75,
+        timeout_keep_alive=KEEP_ALIVE,
         backlog=4096,
     )
     return _Server(config)
@@ -205,8 +155,14 @@ async def serve(
             hypercorn_serve(proxy, hc, shutdown_trigger=hypercorn_stop.wait)  # type: ignore[arg-type]
         )
     else:
-        proxy_server = _uvicorn(proxy, config.listen, config.shutdown_grace)
+        # uvicorn binds and drains; the requests are read and answered by protocol.py.
+        proxy_server = _uvicorn(
+            proxy, config.listen, config.shutdown_grace, protocol=protocol_factory(proxy)
+        )
         proxy_task = asyncio.create_task(proxy_server.serve(sockets=sockets))
+        background.append(
+            asyncio.create_task(sweep_idle(proxy_server.server_state.connections, KEEP_ALIVE))
+        )
     log.info(
         "worker starting" if worker is not None else "router starting",
         listen=config.listen,

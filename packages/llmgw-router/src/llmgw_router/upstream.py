@@ -154,13 +154,19 @@ class Response:
 
     # -- for the proxy
 
-    async def wait_head(self) -> None:
+    async def wait_head(self, deadline: float | None = None) -> None:
+        """Until the status line and headers are in; TimeoutError past ``deadline``.
+
+        ``deadline`` is on the event loop's clock (``loop.time()``): a timer only when
+        there is something to wait for, and no task cancellation to undo.
+        """
         if self.status or self.done:
             return
         if self._error is not None:
             raise self._error
-        self._head_waiter = self._conn.loop.create_future()
-        await self._head_waiter
+        loop = self._conn.loop
+        waiter = self._head_waiter = loop.create_future()
+        await _wait(loop, waiter, deadline)
         if not self.status and self._error is not None:
             raise self._error
 
@@ -168,8 +174,11 @@ class Response:
     def at_eof(self) -> bool:
         return self.done and not self._chunks
 
-    async def read_chunk(self) -> bytes:
-        """The next body bytes as they came; ``b""`` at the end of the body."""
+    async def read_chunk(self, deadline: float | None = None) -> bytes:
+        """The next body bytes as they came; ``b""`` at the end of the body.
+
+        TimeoutError when nothing came by ``deadline`` (event loop clock).
+        """
         while True:
             if self._chunks:
                 # What arrived since the last read goes out as one piece.
@@ -186,12 +195,13 @@ class Response:
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = self._conn.loop.create_future()
-            await self._waiter
+            loop = self._conn.loop
+            waiter = self._waiter = loop.create_future()
+            await _wait(loop, waiter, deadline)
 
-    async def read(self) -> bytes:
+    async def read(self, deadline: float | None = None) -> bytes:
         parts = []
-        while chunk := await self.read_chunk():
+        while chunk := await self.read_chunk(deadline):
             parts.append(chunk)
         return b"".join(parts)
 
@@ -206,6 +216,24 @@ class Response:
     def close(self) -> None:
         self._conn.response = None
         self._conn.close()
+
+
+async def _wait(
+    loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None], deadline: float | None
+) -> None:
+    if deadline is None:
+        await waiter
+        return
+    timer = loop.call_at(deadline, _expire, waiter)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:
@@ -271,6 +299,15 @@ class Pool:
         self.keepalive = keepalive
         self._hosts: dict[str, _HostPool] = {}
         self._tls: ssl.SSLContext | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this pool serves (looked up once: a getpid() each on 3.11)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _host(self, base_url: str) -> _HostPool:
         pool = self._hosts.get(base_url)
@@ -297,8 +334,9 @@ class Pool:
         headers: list[tuple[bytes, bytes]],
         *,
         connect_timeout: float,
+        deadline: float | None = None,
     ) -> Response:
-        """Send the request and wait for the response head."""
+        """Send the request and wait for the response head (until ``deadline``, loop clock)."""
         host = self._hosts.get(base_url) or self._host(base_url)
         parts = [b"POST ", path.encode(), host.request_line_tail, b"%d\r\n" % len(body)]
         for name, value in headers:
@@ -310,7 +348,7 @@ class Pool:
         while (conn := host.take()) is not None:
             response = self._send(conn, head, body)
             try:
-                await response.wait_head()
+                await response.wait_head(deadline)
             except ResetError:
                 response.close()
                 if response.status or response._chunks:
@@ -329,7 +367,7 @@ class Pool:
             raise ConnectError(f"connect to {host.host}:{host.port} timed out") from None
         response = self._send(conn, head, body)
         try:
-            await response.wait_head()
+            await response.wait_head(deadline)
         except BaseException:
             response.close()
             raise
