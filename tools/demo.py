@@ -412,6 +412,7 @@ def reap(state: Path) -> int:
     if groups:
         print("\n==> the demo went away: stopping what it started", file=sys.stderr, flush=True)
         stop_everything(groups, state)
+        print("==> stopped", file=sys.stderr, flush=True)
     return 0
 
 
