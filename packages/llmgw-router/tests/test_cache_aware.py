@@ -192,6 +192,22 @@ def test_an_over_bound_spill_goes_to_the_next_in_rendezvous_order_then_stays_the
     assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"z", 128, 512)) is home
 
 
+def test_a_new_prefix_leaves_its_first_choice_only_for_a_clearly_less_loaded_second() -> None:
+    """Routers share the engines' figures but each adds only its own sends since: a close
+    call goes to the first rendezvous choice on every router, so a tenant's prefix is
+    cached once, not once per router."""
+    prompt = b"a tenant never seen before " * 40
+    blocks = prefix_blocks(prompt, 128, 512)
+    cands = [Cand(f"e{i}") for i in range(4)]
+    first, second, *_ = CacheAware[Cand]().ranking(cands, blocks)
+    for own_a, own_b in ((0.9, 0.0), (0.0, 0.9), (0.5, 0.5)):
+        first.load, second.load = 1.0 + own_a, 0.0 + own_b
+        assert CacheAware[Cand]().pick(cands, usable, None, blocks) is first
+    # Two requests fewer is clear: the second takes it.
+    first.load, second.load = 2.0, 0.0
+    assert CacheAware[Cand]().pick(cands, usable, None, blocks) is second
+
+
 def test_kv_cache_use_does_not_tip_an_endpoint_over_the_bound() -> None:
     """5 requests and a quarter of the KV cache, the mean under 2, slack 3: within
     ceil(1.25 x 8.5 / 4) + 3 = 6 with this one, so the prefix stays (a cache hit)."""

@@ -176,6 +176,9 @@ class LoadedCandidate(Candidate, Protocol):
 L = TypeVar("L", bound=LoadedCandidate)
 
 _MASK = (1 << 64) - 1
+# A new prefix goes to its second rendezvous choice only when that one carries at least
+# this many requests fewer (per unit of weight) than the first.
+_CLEARLY_LESS = 2.0
 
 
 def _mix(x: int) -> int:
@@ -234,6 +237,9 @@ class CacheAware(Balancer[L]):
       prefix goes. What this router itself sent refines that: endpoints that were sent
       more of this prefix than the rendezvous block covers (its holders) rank first, the
       longer match first, equals in rendezvous order (so a prefix stays where it is).
+      A prefix sent nowhere yet goes to its first rendezvous choice, or the second when
+      that one carries at least 2 requests fewer (a closer call is noise that routers
+      would each decide their own way).
     - Demand: the share ``s`` of this router's last ``window`` picks that carried the
       prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
       ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
@@ -429,10 +435,12 @@ class CacheAware(Balancer[L]):
             ranking += [i for i in order if i not in group]
         else:
             rest = [i for i in order if not match[i]]
-            if not holders and per_load[rest[1]] < per_load[rest[0]]:
-                # A prefix this router has not sent anywhere yet: the less loaded of its
-                # first two rendezvous choices (the same two on every router), so unshared
-                # prompts balance nearly as well as by load alone.
+            if not holders and per_load[rest[0]] - per_load[rest[1]] >= _CLEARLY_LESS:
+                # A prefix this router has not sent anywhere yet: its first rendezvous
+                # choice, or the second (the same two on every router) when that one is
+                # clearly less loaded. Clearly: the routers of a fleet see the same engine
+                # figures but each only its own sends since, so at a closer call they
+                # would each place a tenant's prefix by their own noise, caching it twice.
                 rest[0], rest[1] = rest[1], rest[0]
             ranking = holders + rest
         total = sum(loads)
