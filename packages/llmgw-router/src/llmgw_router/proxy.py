@@ -233,6 +233,10 @@ def _usage_from(tail: bytes, streamed: bool) -> _Usage | None:
     if at < 0:
         return None
     if not streamed:
+        # Usage is mostly the body's last member: `{` + the body from it decodes alone,
+        # without walking the choices. Anything else: the whole body.
+        with contextlib.suppress(msgspec.DecodeError):
+            return _decode_usage(b"{" + tail[at:]).usage
         with contextlib.suppress(msgspec.DecodeError):
             return _decode_usage(tail).usage
         return None

@@ -164,9 +164,17 @@ class Response:
             return
         if self._error is not None:
             raise self._error
-        loop = self._conn.loop
-        waiter = self._head_waiter = loop.create_future()
-        await _wait(loop, waiter, deadline)
+        conn = self._conn
+        waiter = self._head_waiter = conn.loop.create_future()
+        if deadline is None:
+            await waiter
+        else:
+            timeouts = conn.pool.timeouts
+            timeouts.add(waiter, deadline, conn.loop)
+            try:
+                await waiter
+            finally:
+                timeouts.discard(waiter)
         if not self.status and self._error is not None:
             raise self._error
 
@@ -195,9 +203,17 @@ class Response:
                 return b""
             if self._error is not None:
                 raise self._error
-            loop = self._conn.loop
-            waiter = self._waiter = loop.create_future()
-            await _wait(loop, waiter, deadline)
+            conn = self._conn
+            waiter = self._waiter = conn.loop.create_future()
+            if deadline is None:
+                await waiter
+            else:
+                timeouts = conn.pool.timeouts
+                timeouts.add(waiter, deadline, conn.loop)
+                try:
+                    await waiter
+                finally:
+                    timeouts.discard(waiter)
 
     async def read(self, deadline: float | None = None) -> bytes:
         parts = []
@@ -218,22 +234,47 @@ class Response:
         self._conn.close()
 
 
-async def _wait(
-    loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None], deadline: float | None
-) -> None:
-    if deadline is None:
-        await waiter
-        return
-    timer = loop.call_at(deadline, _expire, waiter)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
+# How often waits with a deadline are checked (seconds): one timer for all of them, not
+# one armed and cancelled per wait (uvloop's call_at is several thousand instructions).
+_TICK = 0.05
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+class _Timeouts:
+    """Waits that fail with TimeoutError past their deadline, within ``_TICK``."""
+
+    __slots__ = ("_handle", "_loop", "_waits")
+
+    def __init__(self) -> None:
+        self._waits: dict[asyncio.Future[None], float] = {}
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(
+        self, waiter: asyncio.Future[None], deadline: float, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self._waits[waiter] = deadline
+        if self._handle is None:
+            self._loop = loop
+            self._handle = loop.call_later(_TICK, self._check)
+
+    def discard(self, waiter: asyncio.Future[None]) -> None:
+        self._waits.pop(waiter, None)
+
+    def _check(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        now = loop.time()
+        waits = self._waits
+        for waiter in [w for w, at in waits.items() if at <= now]:
+            del waits[waiter]
+            if not waiter.done():
+                waiter.set_exception(TimeoutError())
+        self._handle = loop.call_later(_TICK, self._check) if waits else None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:
@@ -243,8 +284,15 @@ def _wake(waiter: asyncio.Future[None] | None) -> None:
 
 class _HostPool:
     def __init__(
-        self, host: str, port: int, tls: ssl.SSLContext | None, limit: int, keepalive: float
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None,
+        limit: int,
+        keepalive: float,
+        timeouts: _Timeouts,
     ) -> None:
+        self.timeouts = timeouts
         self.host = host
         self.port = port
         self.tls = tls
@@ -300,6 +348,7 @@ class Pool:
         self._hosts: dict[str, _HostPool] = {}
         self._tls: ssl.SSLContext | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timeouts = _Timeouts()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -322,6 +371,7 @@ class Pool:
                 self._tls if secure else None,
                 self.per_endpoint,
                 self.keepalive,
+                self._timeouts,
             )
             self._hosts[base_url] = pool
         return pool
@@ -386,6 +436,7 @@ class Pool:
         return response
 
     def close(self) -> None:
+        self._timeouts.close()
         for host in self._hosts.values():
             for conn in host.idle:
                 conn.close()
