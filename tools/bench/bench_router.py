@@ -37,6 +37,16 @@ the simulator; `workers: 1` has the same two cores and uses at most one of them.
 The requests/s ratio says how much a second worker buys when there is a spare
 core (here only part of one), CPU per request says what the supervisor and the
 second event loop cost (they should cost almost nothing).
+
+`--callgrind N` counts instructions instead of seconds: each router (llmgw with
+`workers: 1`, and the peers) runs under `valgrind --tool=callgrind` with
+instrumentation off, gets warm, then instrumentation is switched on (callgrind_control,
+by pid) for N sequential non-streaming requests on one keep-alive connection, and the
+user-space instructions of the router's whole process (all threads) are divided by N.
+The count repeats to within about 1 % on a busy machine, where CPU seconds vary by
+tens of percent; it leaves out the kernel (system calls), and under valgrind a
+request takes tens of times longer, so periodic work (timers, health checks) weighs
+more than it does at full speed.
 """
 
 from __future__ import annotations
@@ -44,16 +54,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import benchlib
-from benchlib import Run, chat_load, serving, use_uvloop
-from llmgw_testkit import free_port
+from benchlib import Run, chat_body, chat_load, serving, use_uvloop
+from llmgw_testkit import free_port, http_get
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,6 +317,129 @@ def run_cases(
     return rows
 
 
+def _descendants(pid: int) -> list[int]:
+    found = [pid]
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                found += _descendants(int(child))
+    return found
+
+
+def _answers(url: str) -> bool:
+    try:
+        return http_get(url, timeout=2)[0] == 200
+    except OSError:
+        return False
+
+
+def callgrind_target(
+    target: str, args: argparse.Namespace, sim: str, logs: Path, requests: int
+) -> float:
+    """User-space instructions per non-streaming request through ``target``."""
+    port, admin = free_port(), free_port()
+    out = logs / f"callgrind-{target}"
+    if target == "llmgw":
+        config = logs / "router-callgrind.yaml"
+        config.write_text("workers: 1\nbalancer: round_robin\nhealth_checks: {enabled: false}\n")
+        argv = [
+            str(BIN / "python"), "-m", "llmgw_router", "serve", "--config", str(config),
+            "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
+            "--endpoint", f"sim={sim}={MODEL}", "--log-level", "warning",
+        ]  # fmt: skip
+        health = f"http://127.0.0.1:{admin}/readyz"
+    else:
+        binary = str(getattr(args, target.replace("-", "_")))
+        launch = [binary] if target == "vllm-router" else [binary, "launch"]
+        level = "warning" if target == "vllm-router" else "warn"
+        argv = [
+            *launch, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", sim,
+            "--policy", "round_robin", "--prometheus-port", str(admin), "--log-level", level,
+        ]  # fmt: skip
+        health = f"http://127.0.0.1:{port}/health"
+    valgrind = [
+        "valgrind", "--tool=callgrind", "--instr-atstart=no", "--trace-children=yes",
+        f"--callgrind-out-file={out}.%p",
+    ]  # fmt: skip
+    body = chat_body(MODEL, False)
+    log = (logs / f"{target}.log").open("wb")
+    proc = subprocess.Popen([*valgrind, *argv], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not _answers(health):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{target} under valgrind did not start; see {log.name}")
+            time.sleep(0.5)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+        def one() -> int:
+            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            return answer.status
+
+        # Warm: a router under valgrind may take a while to see its engine healthy.
+        deadline = time.monotonic() + 300
+        while one() != 200:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{target} under valgrind never answered 200")
+            time.sleep(1)
+        for _ in range(100):
+            one()
+        pids = [str(pid) for pid in _descendants(proc.pid)]
+
+        def control(*flags: str) -> None:
+            for pid in pids:
+                subprocess.run(
+                    ["callgrind_control", *flags, pid],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    check=False,
+                )
+
+        control("-i", "on")
+        failed = sum(one() != 200 for _ in range(requests))
+        control("-i", "off")
+        control("-d")
+        conn.close()
+        if failed:
+            raise SystemExit(f"{target}: {failed} of {requests} requests failed under valgrind")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    total = 0
+    for dump in logs.glob(f"callgrind-{target}.*"):
+        for line in dump.read_text(errors="replace").splitlines():
+            # A dump's "summary:" may be 0; "totals:" is what it counted.
+            if line.startswith("totals:"):
+                total += int(line.split()[1])
+    return total / requests
+
+
+def callgrind_run(args: argparse.Namespace, targets: list[str]) -> None:
+    if not shutil.which("valgrind"):
+        raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
+    counts: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-router-cg-") as tmp:
+        logs = Path(tmp)
+        sim_port = free_port()
+        with simulator(sim_port, logs, 0.0):
+            for target in targets:
+                counts[target] = callgrind_target(
+                    target, args, f"http://127.0.0.1:{sim_port}", logs, args.callgrind
+                )
+                print(f"{target:<14} {counts[target]:>10,.0f} instructions per request")
+    llmgw = counts.get("llmgw")
+    for peer in PEER_TARGETS:
+        if llmgw and counts.get(peer):
+            print(f"llmgw / {peer}: {llmgw / counts[peer]:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -333,6 +469,13 @@ def main() -> int:
         help="llmgw with workers 1 and 2, router processes on cores 0-1 (see above)",
     )
     parser.add_argument(
+        "--callgrind",
+        type=int,
+        metavar="N",
+        default=0,
+        help="instructions per non-streaming request under callgrind, N requests (see above)",
+    )
+    parser.add_argument(
         "--stream-itl",
         type=float,
         default=0.0001,
@@ -345,6 +488,13 @@ def main() -> int:
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {0})
     use_uvloop()
+    if args.callgrind:
+        wanted = [t for t in args.targets if t in ("llmgw", *PEER_TARGETS)]
+        present = [
+            t for t in wanted if t == "llmgw" or Path(getattr(args, t.replace("-", "_"))).exists()
+        ]
+        callgrind_run(args, present)
+        return 0
     if args.workers_run:
         targets = ["direct", "llmgw-w1", "llmgw-w2"]
         print(
