@@ -710,3 +710,33 @@ async def test_a_lost_lease_stops_dispatch_while_the_main_loop_is_held(mode: str
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_replica_whose_node_has_no_record_waits_for_it_like_any_unreachable_node() -> None:
+    """The store kept a replica but not (yet) its node's record when control died: the
+    node starts UNREACHABLE, and the replica is neither replaced nor given up."""
+    import msgspec
+    from llmgw_control.catalog import ModelConfig, build_catalog
+    from llmgw_control.reconciler import ControlState, Settings, reconcile
+    from llmgw_control.store.keeper import known_nodes
+    from llmgw_control.store.persist import Restored
+
+    models = msgspec.convert(
+        [{"name": "m", "profiles": {"p": {"engine": "vllm", "gpus_per_node": 1, "replicas": 1}}}],
+        list[ModelConfig],
+    )
+    catalog = build_catalog(models, "test")
+    plan = ShardPlan("m.p.1-0", "gpu-x", 0, (0,), 21000, "127.0.0.1")
+    replica = Replica("m.p.1", "m", "p", shards=[plan], created_at=0.0)
+    restored = Restored(replicas={replica.replica_id: replica})
+    assert known_nodes(restored, 100.0) == ["gpu-x"]
+    node = restored.nodes["gpu-x"]
+    assert node.state == NodeState.UNREACHABLE
+    assert not node.connected
+    assert node.last_seen == 100.0
+    assert known_nodes(restored, 100.0) == [], "a node is added once"
+    state = ControlState(replicas=dict(restored.replicas))
+    decision = reconcile(catalog, restored.nodes, state, 101.0, Settings(startup_grace=0.0))
+    assert list(decision.state.replicas) == ["m.p.1"]
+    assert decision.state.replaced == {}
+    assert decision.commands == [], "nothing started in its place"

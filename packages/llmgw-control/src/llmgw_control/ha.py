@@ -409,17 +409,22 @@ class Leadership:
             for task in (work, stop):
                 task.cancel()
             await asyncio.gather(work, stop, return_exceptions=True)
-            # Stopped: an instance still leading gives the lead up (a clean stop's
-            # resign() did already). No on_lost: the owner asked for this.
-            with self._lock:
-                held, self.leading = self.leading, False
-                self.valid_until = 0.0
+            failure = None if work.cancelled() else work.exception()
+            if failure is not None:
+                # Nothing renews any more: a loss like any other, and said loudly.
+                log.error("leadership thread failed", error=repr(failure), exc_info=failure)
+                held = self._lose(f"the renewal thread failed: {failure!r}")
+            else:
+                # Stopped: an instance still leading gives the lead up (a clean stop's
+                # resign() did already). No on_lost: the owner asked for this.
+                with self._lock:
+                    held, self.leading = self.leading, False
+                    self.valid_until = 0.0
             if held:
                 await self._release()
             if closer is not None:
                 with contextlib.suppress(Exception):
                     await _within(closer(), 2.0)
-        failure = None if work.cancelled() else work.exception()
         if failure is not None:
             raise failure
 

@@ -50,6 +50,7 @@ class Stateful:
         self.leadership: Leadership | None = None
         self.gate: LeaderGate | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._serving = False
         self._reconciler: asyncio.Task[None] | None = None
         self._persist: asyncio.Task[None] | None = None
         registry = controller.metrics.registry
@@ -83,7 +84,13 @@ class Stateful:
             controller.agents.lease_valid = self.leadership.valid
 
     def _leading(self) -> bool:
-        return self.leadership is None or self.leadership.leading
+        """Serving as the leader: elected, and the takeover (state read back) done.
+
+        Until the takeover is done the gate refuses streams and watches (naming this
+        instance as the leader, so they come back at once): an agent that registered
+        while the state was being read would be overwritten by the restore.
+        """
+        return self.leadership is None or (self.leadership.leading and self._serving)
 
     def _leader(self) -> str:
         return self.leadership.leader_address if self.leadership is not None else ""
@@ -147,6 +154,7 @@ class Stateful:
         self._epoch(epoch)
         self.leader_gauge.set(1)
         self._start_leading()
+        self._serving = True
 
     def _fenced(self) -> None:
         assert self.leadership is not None
@@ -156,6 +164,7 @@ class Stateful:
         # At once, before anything else can run: nothing more is dispatched or written.
         c = self.controller
         c.agents.dispatching = False
+        self._serving = False
         if self.keeper.persister is not None:
             self.keeper.persister.enabled = False
         self.leader_gauge.set(0)

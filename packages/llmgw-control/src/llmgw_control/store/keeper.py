@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from llmgw_control.inventory import Inventory, NodeState
+from llmgw_control.inventory import Inventory, Node, NodeState
 from llmgw_control.reconciler import ControlState
 from llmgw_control.store.base import Change, Records, Store
 from llmgw_control.store.persist import (
@@ -92,6 +92,13 @@ class StateKeeper:
 
     def restore(self, restored: Restored) -> None:
         """Every known node UNREACHABLE as if its stream just dropped; replicas kept."""
+        missing = known_nodes(restored, time.monotonic())
+        if missing:
+            log.warning(
+                "replicas on nodes the store has no record of; those nodes start UNREACHABLE",
+                nodes=len(missing),
+                first=missing[0],
+            )
         c = self.controller
         self.other = restored.other
         c.inventory.nodes.update(restored.nodes)
@@ -170,3 +177,23 @@ class StateKeeper:
     async def write_now(self, changes: list[Change]) -> None:
         assert self.store is not None
         await self.store.write(changes)
+
+
+def known_nodes(restored: Restored, now: float) -> list[str]:
+    """A node a restored replica runs on is a known node, even without a record of its
+    own (the replica was stored, the node's record not yet, when the last control plane
+    died): it starts UNREACHABLE like the others, so its replicas are replaced only
+    ``lost_after`` from now, not at once. Its Register fills it in. The ids added."""
+    added: list[str] = []
+    for replica in restored.replicas.values():
+        for plan in replica.shards:
+            if plan.node_id not in restored.nodes:
+                restored.nodes[plan.node_id] = Node(
+                    node_id=plan.node_id,
+                    session_id="",
+                    connected=False,
+                    last_seen=now,
+                    state=NodeState.UNREACHABLE,
+                )
+                added.append(plan.node_id)
+    return added
