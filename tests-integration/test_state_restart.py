@@ -7,10 +7,12 @@
 2. A long outage under load (60 s here, standing in for the issue's 10 minutes: it
    only has to be far longer than startup_grace and than the agents' reconnect
    backoff): no request fails, every node is READY again, nothing restarted.
+   ``LLMGW_OUTAGE_S=600`` runs the issue's full 10 minutes (opt-in: it is slow).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
@@ -88,6 +90,10 @@ def test_restart_with_agents_frozen_past_startup_grace_keeps_every_endpoint(
     assert failures == [], failures[:5]
 
 
+# Seconds without a control plane; LLMGW_OUTAGE_S=600 for the issue's 10 minutes.
+OUTAGE_S = float(os.environ.get("LLMGW_OUTAGE_S", "60"))
+
+
 def test_long_outage_under_load_fails_nothing_and_restarts_nothing(cluster: Cluster) -> None:
     # The agents' own reconnect backoff (up to 30 s, full jitter) as in production.
     cluster.timings.update(unreachable_after="2s", lost_after="120s", startup_grace="1s")
@@ -98,12 +104,12 @@ def test_long_outage_under_load_fails_nothing_and_restarts_nothing(cluster: Clus
         assert cluster.control is not None
         cluster.control.stop()
         down_at = time.monotonic()
-        # 60 s without a control plane (a shortened stand-in for 10 minutes).
+        # OUTAGE_S without a control plane (60 s: a shortened stand-in for 10 minutes).
         wait_for(
-            lambda: time.monotonic() - down_at >= 60 and cluster.router is not None,
-            timeout=90,
+            lambda: time.monotonic() - down_at >= OUTAGE_S and cluster.router is not None,
+            timeout=OUTAGE_S + 30,
             interval=1.0,
-            what="60 s of outage",
+            what=f"{OUTAGE_S:g} s of outage",
         )
         served_down = len(results)
         cluster.start_control(MODELS)
@@ -115,6 +121,9 @@ def test_long_outage_under_load_fails_nothing_and_restarts_nothing(cluster: Clus
         after = wait_for(lambda: both_ready(cluster), timeout=30, what="both replicas ready")
         more = len(results)
         wait_for(lambda: len(results) >= more + 10, timeout=30, what="traffic after restart")
+    print(
+        f"outage {OUTAGE_S:g} s: {served_down} requests before the restart, {len(results)} in all"
+    )
     assert served_down > 20, "requests were served during the outage"
     assert after == before, "nothing restarted"
     assert metric_sum(cluster.metrics(), "llmgw_control_commands_total") == 0, "no command sent"

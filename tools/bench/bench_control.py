@@ -126,7 +126,8 @@ class ControlProcess:
         core = self.core
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmgw_control", "serve", "--config", str(self.config),
-             "--log-level", "warning", "--log-format", "json"],
+             "--log-level", os.environ.get("BENCH_CONTROL_LOG_LEVEL", "warning"),
+             "--log-format", "json"],
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
