@@ -137,3 +137,17 @@ def test_a_stream_is_sent_chunked_and_the_connection_is_reused(
             assert status == 200
             assert headers[b"transfer-encoding"] == b"chunked"
             assert body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_head_gets_the_head_only_and_keeps_the_connection(router: Router) -> None:
+    with connect(router) as sock:
+        sock.sendall(b"HEAD /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += sock.recv(1)
+        assert head.startswith(b"HTTP/1.1 405 ")
+        # No body followed the head: the next answer starts right after it.
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        ((status, _, body),) = read_responses(sock, 1)[0]
+    assert status == 200
+    assert json.loads(body)["object"] == "list"

@@ -144,8 +144,8 @@ class _Request:
             out = data
         if self.remaining >= 0 and not bodiless:
             self.remaining -= len(data)
-        if not more:
-            if self.chunked and not bodiless:
+        if not more and not bodiless:
+            if self.chunked:
                 out += _LAST_CHUNK
             elif self.remaining > 0:
                 # Shorter than the content-length it announced: the client can only
