@@ -208,6 +208,18 @@ def test_a_new_prefix_leaves_its_first_choice_only_for_a_clearly_less_loaded_sec
     assert CacheAware[Cand]().pick(cands, usable, None, blocks) is second
 
 
+def test_where_prompts_share_nothing_a_new_one_goes_to_the_less_loaded_of_two() -> None:
+    """Most recent picks distinct: power of two choices on load (nothing will recur)."""
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand](window=64)
+    for i in range(64):
+        balancer.pick(cands, usable, None, prefix_blocks(b"unique %d " % i * 60, 128, 512))
+    blocks = prefix_blocks(b"one more unique prompt " * 40, 128, 512)
+    first, second, *_ = balancer.ranking(cands, blocks)
+    first.load, second.load = 1.0, 0.5
+    assert balancer.pick(cands, usable, None, blocks) is second
+
+
 def test_kv_cache_use_does_not_tip_an_endpoint_over_the_bound() -> None:
     """5 requests and a quarter of the KV cache, the mean under 2, slack 3: within
     ceil(1.25 x 8.5 / 4) + 3 = 6 with this one, so the prefix stays (a cache hit)."""

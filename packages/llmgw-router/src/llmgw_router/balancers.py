@@ -239,7 +239,8 @@ class CacheAware(Balancer[L]):
       longer match first, equals in rendezvous order (so a prefix stays where it is).
       A prefix sent nowhere yet goes to its first rendezvous choice, or the second when
       that one carries at least 2 requests fewer (a closer call is noise that routers
-      would each decide their own way).
+      would each decide their own way); where over 3 in 4 recent picks carried distinct
+      prefixes (nothing to share), when the second is less loaded at all.
     - Demand: the share ``s`` of this router's last ``window`` picks that carried the
       prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
       ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
@@ -435,12 +436,10 @@ class CacheAware(Balancer[L]):
             ranking += [i for i in order if i not in group]
         else:
             rest = [i for i in order if not match[i]]
-            if not holders and per_load[rest[0]] - per_load[rest[1]] >= _CLEARLY_LESS:
+            if not holders and self._second_is_less_loaded(per_load[rest[0]], per_load[rest[1]]):
                 # A prefix this router has not sent anywhere yet: its first rendezvous
                 # choice, or the second (the same two on every router) when that one is
-                # clearly less loaded. Clearly: the routers of a fleet see the same engine
-                # figures but each only its own sends since, so at a closer call they
-                # would each place a tenant's prefix by their own noise, caching it twice.
+                # less loaded (see _second_is_less_loaded).
                 rest[0], rest[1] = rest[1], rest[0]
             ranking = holders + rest
         total = sum(loads)
@@ -457,6 +456,21 @@ class CacheAware(Balancer[L]):
         if held:
             return min(held, key=per_load.__getitem__)
         return within[0] if within else min(ranking, key=per_load.__getitem__)
+
+    def _second_is_less_loaded(self, first: float, second: float) -> bool:
+        """Whether a new prefix goes to its second rendezvous choice rather than the first.
+
+        Where the recent picks mostly share prefixes, a new one will likely recur and
+        stay where it lands: the second must be clearly less loaded (2 requests), since
+        the routers of a fleet see the same engine figures but each only its own sends
+        since, and at a closer call each would place a tenant by its own noise, caching
+        it twice. Where they are mostly distinct (over 3 in 4 of them, once the window is
+        a quarter full: prompts that share nothing), the less loaded, as power of two
+        choices."""
+        recent = len(self._recent)
+        if recent >= self.window // 4 and 4 * len(self._recent_counts) > 3 * recent:
+            return second < first
+        return first - second >= _CLEARLY_LESS
 
     def within(
         self, load: float, load_total: float, weight: int, weight_total: int, n: int
