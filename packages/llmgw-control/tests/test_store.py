@@ -740,3 +740,46 @@ def test_a_replica_whose_node_has_no_record_waits_for_it_like_any_unreachable_no
     assert list(decision.state.replicas) == ["m.p.1"]
     assert decision.state.replaced == {}
     assert decision.commands == [], "nothing started in its place"
+
+
+def test_a_stored_but_unplaced_replica_takes_the_shard_an_agent_reports() -> None:
+    """The store kept a replica from before its placement was written: the shard an agent
+    reports for it is adopted into it, not stopped as an orphan."""
+    import msgspec
+    from llmgw_control.catalog import ModelConfig, build_catalog
+    from llmgw_control.reconciler import ControlState, Settings, Stop, reconcile
+    from llmgw_control.store.keeper import adoptable
+    from llmgw_control.store.persist import Restored
+
+    models = msgspec.convert(
+        [{"name": "m", "profiles": {"p": {"engine": "vllm", "gpus_per_node": 1, "replicas": 1}}}],
+        list[ModelConfig],
+    )
+    catalog = build_catalog(models, "test")
+    restored = Restored(replicas={"m.p.1": Replica("m.p.1", "m", "p", created_at=0.0)})
+    assert adoptable(restored) == 1
+    node = Node(
+        "gpu-a",
+        "sess",
+        gpus=(GpuSlot(0, "H200", 141 * 2**30),),
+        interfaces={"lo": ["127.0.0.1/8"]},
+        peer_host="127.0.0.1",
+        last_seen=100.0,
+    )
+    node.shards["m.p.1-0"] = ShardReport(
+        "m.p.1-0",
+        "m.p.1",
+        v1.ShardState.READY,
+        model="m",
+        profile="p",
+        port=21000,
+        gpu_indices=(0,),
+        pid=7,
+        endpoint_url="http://127.0.0.1:21000",
+    )
+    state = ControlState(replicas=dict(restored.replicas))
+    decision = reconcile(catalog, {"gpu-a": node}, state, 101.0, Settings(startup_grace=0.0))
+    assert [c for c in decision.commands if isinstance(c, Stop)] == [], "not stopped"
+    assert decision.commands == []
+    shards = decision.state.replicas["m.p.1"].shards
+    assert [(p.shard_id, p.node_id) for p in shards] == [("m.p.1-0", "gpu-a")]

@@ -93,6 +93,7 @@ class StateKeeper:
     def restore(self, restored: Restored) -> None:
         """Every known node UNREACHABLE as if its stream just dropped; replicas kept."""
         missing = known_nodes(restored, time.monotonic())
+        adoptable(restored)
         if missing:
             log.warning(
                 "replicas on nodes the store has no record of; those nodes start UNREACHABLE",
@@ -197,3 +198,16 @@ def known_nodes(restored: Restored, now: float) -> list[str]:
                 )
                 added.append(plan.node_id)
     return added
+
+
+def adoptable(restored: Restored) -> int:
+    """A replica stored before it was placed (the control plane died before it wrote the
+    placement) takes the shard an agent reports for it, as an adopted one does: the
+    agent runs what the lost placement started. Without this the shard would be an
+    orphan and stopped. How many such replicas."""
+    count = 0
+    for replica in restored.replicas.values():
+        if not replica.shards and not replica.draining:
+            replica.adopted = True
+            count += 1
+    return count
