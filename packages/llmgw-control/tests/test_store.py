@@ -127,6 +127,31 @@ async def test_etcd_writes_larger_than_one_transaction(etcd: Etcd) -> None:
 # --- stores that cannot be read -----------------------------------------------------
 
 
+async def test_etcd_records_larger_than_a_request(etcd: Etcd) -> None:
+    """etcd takes at most 1.5 MiB per request: a larger record (the endpoints published
+    for 10,000 replicas) goes in parts, comes back whole, and its parts go with it."""
+    s = etcd_settings(etcd)
+    big = bytes(range(256)) * 8000  # 2 MB
+    store = EtcdStore(s)
+    await store.open()
+    try:
+        await store.write([Change("publish", "current", big), Change("node", "n", b"x")])
+        again = EtcdStore(s)
+        await again.open()
+        assert await again.load() == {"publish": {"current": big}, "node": {"n": b"x"}}
+        await again.write([Change("publish", "current", b"small")])
+        parts = await store.client.get_prefix(store.key("parts") + b"/")
+        assert list(parts) == [], "no parts left once the record is small again"
+        assert (await store.load())["publish"] == {"current": b"small"}
+        await store.write([Change("publish", "current", big + b"2")])
+        await store.write([Change("publish", "current", None)])
+        assert list(await store.client.get_prefix(store.key("parts") + b"/")) == []
+        assert "publish" not in await store.load()
+        await again.close()
+    finally:
+        await store.close()
+
+
 async def test_a_corrupt_sqlite_file_is_refused_by_name(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()

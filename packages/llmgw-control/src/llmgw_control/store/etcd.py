@@ -9,6 +9,7 @@ value with this instance's claim: a deposed leader cannot write.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,13 @@ __all__ = ["EtcdStore"]
 
 # etcd refuses transactions of more than 128 operations by default.
 TXN_OPS = 100
+# ... and requests over 1.5 MiB (--max-request-bytes): a transaction's keys and values
+# stay under TXN_BYTES, and a record over PART_BYTES (the published endpoints of 10,000
+# replicas are about 1.7 MB) is written in parts under {prefix}/parts/{kind}/{key}/{gen}/,
+# the record itself a marker naming the generation and the count of parts.
+TXN_BYTES = 1 << 20
+PART_BYTES = 512 << 10
+MARKER = b"\x00llmgw-parts:"
 
 
 class EtcdStore:
@@ -43,6 +51,8 @@ class EtcdStore:
         self.fence: tuple[bytes, bytes] | None = None
         # With HA, a write without a claim (a standby, a deposed leader) is refused.
         self.ha = False
+        # Records written in parts, whose parts go when they are rewritten small or deleted.
+        self._parted: set[tuple[str, str]] = set()
 
     def key(self, *parts: str) -> bytes:
         return "/".join((self.prefix, *parts)).encode()
@@ -92,6 +102,9 @@ class EtcdStore:
         except (aetcd.exceptions.ClientError, OSError) as err:
             raise StoreError(f"{self.description}: {_why(err)}") from None
 
+    def _parts_key(self, kind: str, key: str, gen: str = "") -> bytes:
+        return self.key("parts", kind, key, gen) if gen else self.key("parts", kind, key) + b"/"
+
     async def load(self) -> Records:
         base = self.key("records") + b"/"
         got = await self._call(self.client.get_prefix(base))
@@ -99,17 +112,70 @@ class EtcdStore:
         for kv in got:
             rest = bytes(kv.key)[len(base) :].decode()
             kind, _, key = rest.partition("/")
-            out.setdefault(kind, {})[key] = bytes(kv.value)
+            value = bytes(kv.value)
+            if value.startswith(MARKER):
+                value = await self._joined(kind, key, value)
+                self._parted.add((kind, key))
+            out.setdefault(kind, {})[key] = value
         return out
+
+    async def _joined(self, kind: str, key: str, marker: bytes) -> bytes:
+        gen, _, count = marker[len(MARKER) :].decode().partition(":")
+        prefix = self._parts_key(kind, key, gen) + b"/"
+        got = await self._call(self.client.get_prefix(prefix))
+        parts = {int(bytes(kv.key)[len(prefix) :]): bytes(kv.value) for kv in got}
+        if sorted(parts) != list(range(int(count))):
+            raise StoreError(
+                f"{self.description}: record {kind}/{key} is missing parts "
+                f"(has {len(parts)} of {count})"
+            )
+        return b"".join(parts[i] for i in range(int(count)))
 
     async def write(self, changes: Sequence[Change]) -> None:
         t = self.client.transactions
-        ops: list[Any] = []
+        batches: list[list[Any]] = [[]]
+        size = 0
+        parted: list[tuple[str, str, str]] = []
         for (kind, key), value in group(changes).items():
             rk = self._record_key(kind, key)
-            ops.append(t.delete(rk) if value is None else t.put(rk, value))
-        for i in range(0, len(ops), TXN_OPS):
-            await self.txn(ops[i : i + TXN_OPS])
+            if value is not None and len(value) > PART_BYTES:
+                gen = secrets.token_hex(4)
+                count = 0
+                for i in range(0, len(value), PART_BYTES):
+                    part = self._parts_key(kind, key, gen) + f"/{count}".encode()
+                    await self.txn([t.put(part, value[i : i + PART_BYTES])])
+                    count += 1
+                value = MARKER + f"{gen}:{count}".encode()
+                parted.append((kind, key, gen))
+            elif (kind, key) in self._parted:
+                parted.append((kind, key, ""))
+            op = t.delete(rk) if value is None else t.put(rk, value)
+            cost = len(rk) + (len(value) if value is not None else 0)
+            if len(batches[-1]) >= TXN_OPS or (batches[-1] and size + cost > TXN_BYTES):
+                batches.append([])
+                size = 0
+            batches[-1].append(op)
+            size += cost
+        for ops in batches:
+            if ops:
+                await self.txn(ops)
+        for kind, key, gen in parted:
+            await self._drop_parts(kind, key, keep=gen)
+
+    async def _drop_parts(self, kind: str, key: str, keep: str) -> None:
+        """Parts of other generations than ``keep`` ("" = all) are deleted."""
+        t = self.client.transactions
+        prefix = self._parts_key(kind, key)
+        got = await self._call(self.client.get_prefix(prefix, keys_only=True))
+        old = [bytes(kv.key) for kv in got]
+        if keep:
+            old = [k for k in old if not k.startswith(prefix + keep.encode() + b"/")]
+        for i in range(0, len(old), TXN_OPS):
+            await self.txn([t.delete(k) for k in old[i : i + TXN_OPS]])
+        if keep:
+            self._parted.add((kind, key))
+        else:
+            self._parted.discard((kind, key))
 
     async def txn(self, ops: list[Any]) -> None:
         t = self.client.transactions
