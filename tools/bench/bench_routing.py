@@ -44,9 +44,9 @@ Reported per run: TTFT p50/p90/p99 (client side: request sent to first token), r
 per second completed, the prefix-cache hit rate (the engines' own
 ``vllm:prefix_cache_hits_total`` over ``..._queries_total``; each engine's too in
 ``--json``), max/mean requests per engine, the router's CPU per request (its process and
-threads, /proc) and the machine's load average at the run's start; llama.cpp: the prompt
-tokens it evaluated per request (``llamacpp:prompt_tokens_total``: a cached prefix is
-not evaluated) instead of a hit rate. The first
+threads, /proc) and the machine's load average at the run's start; llama.cpp: its
+``llamacpp:prompt_tokens_total`` per request (per engine requests estimated from
+``llamacpp:tokens_predicted_total``) instead of a hit rate. The first
 ``--warmup`` fraction of arrivals (cold caches) is sent but not counted.
 
 The engines run ``--time-scale`` (default 2) times slower than the simulator's H100-like
@@ -638,7 +638,7 @@ def run_one(
         result.per_engine_hit.append(h / q if q else 0.0)
     if args.engine == "llamacpp":
         # llama-server counts no requests; its generated tokens over the tokens per request
-        # do, and its evaluated prompt tokens show the cache (what a hit does not evaluate).
+        # do (roughly: the warm-up request is in them), and its prompt tokens per request.
         result.per_engine = [
             round(
                 (
@@ -673,7 +673,7 @@ def _fmt(x: float, unit: str = "") -> str:
 def _hits(r: Result) -> str:
     if math.isnan(r.prompt_evaluated):
         return f"{100 * r.hit_rate:.0f} %"
-    return f"{r.prompt_evaluated:.0f} prompt tokens evaluated/req"
+    return f"{r.prompt_evaluated:.0f} prompt tokens/req"
 
 
 def table(results: Sequence[Result]) -> str:
