@@ -135,6 +135,12 @@ def test_parse_version() -> None:
     assert parse_version("vllm", "WARNING torch\n0.32.0\n") == "0.32.0"
     assert parse_version("sglang", "0.5.23\n") == "0.5.23"
     assert parse_version("llamacpp", "version: 11434 (a1b2c3)\nbuilt with cc\n") == "b11434"
+    numbered = "version: 0.6.0-dev (build 11434, commit a1b2c3)\nbuilt with GNU 12.2.0\n"
+    assert parse_version("llamacpp", numbered) == "b11434"
+    # From a source archive: no build number, known by its release (was read as "b0").
+    unnumbered = "version: 0.6.0-dev (build 0, commit unknown)\n"
+    assert parse_version("llamacpp", unnumbered) == "0.6.0-dev"
+    assert parse_version("llamacpp", "version: 0 (unknown)\n") == ""
     assert parse_version("vllm", "usage: error\n") == ""
 
 

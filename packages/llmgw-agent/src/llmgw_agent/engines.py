@@ -129,10 +129,20 @@ def help_argv(kind: str, command: Sequence[str]) -> list[str]:
 
 
 def parse_version(kind: str, text: str) -> str:
-    """The version an engine printed: ``0.32.0``, or llama.cpp's build as ``b11434``."""
+    """The version an engine printed: ``0.32.0``, or llama.cpp's build as ``b11434``.
+
+    llama.cpp prints ``version: 11434 (a1b2c3)``, or since it numbers releases
+    ``version: 0.6.0-dev (build 11434, commit a1b2c3)``; a build from a source archive
+    has no build number (``build 0``) unless given one, and is known by its release."""
     if kind == "llamacpp":
-        match = re.search(r"version:\s*(\d+)", text)
-        return f"b{match.group(1)}" if match else ""
+        build = re.search(r"version:.*\bbuild (\d+)", text)
+        if build and int(build.group(1)) > 0:
+            return f"b{build.group(1)}"
+        release = re.search(r"version:\s*(\d+\.\d+[.\w+-]*)", text)
+        if release:
+            return release.group(1)
+        match = re.search(r"version:\s*(\d+)\b", text)
+        return f"b{match.group(1)}" if match and int(match.group(1)) > 0 else ""
     found = re.findall(r"^\s*v?(\d+\.\d+(?:\.\d+)?(?:[.+\-\w]*)?)\s*$", text, re.MULTILINE)
     return found[-1] if found else ""
 
