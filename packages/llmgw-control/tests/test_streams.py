@@ -154,10 +154,12 @@ async def test_unreachable_then_lost_then_replaced_and_old_shard_stopped(
     control = control_factory([model()], unreachable_after="1s", lost_after="2.5s")
     a = agent_factory(control.grpc_port, "gpu-a")
     b = agent_factory(control.grpc_port, "gpu-b", gpus=2)
-    a.start()
+    # gpu-b registers first, so the replica is placed there whether the first placing pass
+    # sees gpu-a too (gpu-b is the fuller node that fits: bin-packing) or not.
     b.start()
+    await control.until(lambda s: node_state(s, "gpu-b") == "READY", "gpu-b registered")
+    a.start()
     watcher = watcher_factory(control.grpc_port)
-    # gpu-b is the fuller node that fits: bin-packing puts the replica there.
     (first,) = await until(b.starts, "start on gpu-b")
     await watcher.until(lambda s: len(s.endpoints) == 1, "endpoint on gpu-b")
     assert a.starts() == []
