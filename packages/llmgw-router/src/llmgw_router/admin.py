@@ -117,9 +117,10 @@ def admin_app(state: RouterState) -> Starlette:
                         "ejected_for": round(max(0.0, ep.outlier.ejected_until - now), 3),
                         # Routing that sees the engines: their last report (null when
                         # unknown or older than load_reports.max_age), this router's
-                        # requests since it, and the load the balancer weighs.
+                        # requests sent and finished since it, and the load the balancer weighs.
                         "engine": engine_view(ep, now),
                         "sent_since_report": ep.sent_since_report,
+                        "finished_since_report": ep.finished_since_report,
                         "load": round(ep.load, 4),
                         "load_source": "engine" if ep.fresh_engine(now) else "router",
                         "generation": ep.generation,

@@ -10,6 +10,7 @@ already picked an endpoint keeps that object to the end.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -63,10 +64,13 @@ class Endpoint:
     health_failures: int = 0
     health_successes: int = 0
     removed: bool = False
-    # Engine-reported load (None: never reported, or reported unknown) and the requests
-    # this router sent to it since that report: charged at pick time.
+    # Engine-reported load (None: never reported, or reported unknown), and what this
+    # router did to it since the engine's figures were read: requests sent (charged at
+    # pick time) and requests finished, each with when (see `load`).
     engine: EngineLoad | None = None
     sent_since_report: int = 0
+    finished_since_report: int = 0
+    _events: deque[tuple[float, int]] = field(default_factory=deque)
     # From the engine's KV-cache events (EndpointCache): blocks it holds now.
     cached_blocks: int = 0
     # The newest engine generation heard of, from the snapshot or a load report.
@@ -101,19 +105,59 @@ class Endpoint:
 
     @property
     def load(self) -> float:
-        """What the load-aware balancer weighs: the engine's running and waiting requests
-        plus this router's requests since that report, plus KV-cache use (0..1); this
-        router's own in-flight count when the engine's figures are unknown or stale."""
+        """What the load-aware balancer weighs.
+
+        The engine's running and waiting requests when its figures were read, plus the
+        requests this router sent it since, less those of its requests that finished
+        since, plus KV-cache use (0..1); never less than this router's own in-flight
+        count, which is a floor of the truth. This router's own in-flight count alone
+        when the engine's figures are unknown or stale. Other routers' sends and
+        completions since the reading are not known here: they come with the next one."""
         engine = self.fresh_engine(time.monotonic())
         if engine is None:
             return float(self.outstanding)
-        return engine.running + engine.waiting + self.sent_since_report + engine.kv_cache_usage
+        since = self.sent_since_report - self.finished_since_report
+        return max(engine.running + engine.waiting + since, self.outstanding) + (
+            engine.kv_cache_usage
+        )
+
+    def sent(self, at: float) -> None:
+        """This router picked the endpoint for a request (at ``at``, time.monotonic)."""
+        self.sent_since_report += 1
+        self._event(at, 1)
+
+    def finished(self, at: float) -> None:
+        """A request this router sent here ended (answered, failed or cancelled)."""
+        self.finished_since_report += 1
+        self._event(at, -1)
+
+    def _event(self, at: float, kind: int) -> None:
+        events = self._events
+        events.append((at, kind))
+        if len(events) > 4096:
+            # No report for a long while: the oldest count no more (the figures that
+            # would have covered them are stale anyway, and `load` falls back).
+            self._drop(events.popleft())
+
+    def _drop(self, event: tuple[float, int]) -> None:
+        if event[1] > 0:
+            self.sent_since_report -= 1
+        else:
+            self.finished_since_report -= 1
 
     def report(self, load: EngineLoad | None) -> None:
-        """A new engine report (None: unknown) replaces the old one and its charges."""
+        """A new engine report (None: unknown) replaces the old one; what this router did
+        before the engine's figures were read is in them, and no longer counted apart."""
         self.engine = load
-        self.sent_since_report = 0
-        if load is not None and load.generation > self.engine_generation:
+        events = self._events
+        if load is None:
+            events.clear()
+            self.sent_since_report = self.finished_since_report = 0
+            return
+        measured_at = load.measured_at
+        while events and events[0][0] <= measured_at:
+            self._drop(events.popleft())
+        if load.generation > self.engine_generation:
             self.engine_generation = load.generation
 
     def usable(self, now: float) -> bool:

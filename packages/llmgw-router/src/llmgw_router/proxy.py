@@ -639,7 +639,7 @@ class ProxyApp:
             ep = balancer.pick(tier, state.usable_among(tier, at), ctx.affinity_key, ctx.prefix)
             if ep is not None:
                 # Charged at pick time: a burst between two load reports spreads.
-                ep.sent_since_report += 1
+                ep.sent(at)
                 return ep
         return None
 
@@ -752,6 +752,7 @@ class ProxyApp:
             clean = await self._relay(ctx, send, ep, response, first)
         finally:
             ep.outstanding -= 1
+            ep.finished(now())
             if response is not None:
                 # An unfinished response must not go back to the pool: closing it is
                 # also what tells the engine to stop generating.
