@@ -208,16 +208,58 @@ def test_a_new_prefix_leaves_its_first_choice_only_for_a_clearly_less_loaded_sec
     assert CacheAware[Cand]().pick(cands, usable, None, blocks) is second
 
 
-def test_where_prompts_share_nothing_a_new_one_goes_to_the_less_loaded_of_two() -> None:
-    """Most recent picks distinct: power of two choices on load (nothing will recur)."""
+def test_routers_that_placed_a_prefix_apart_converge_on_its_first_choice() -> None:
+    """Router a saw the prefix's first choice busy and placed it on the second; router b
+    placed it on the first. Once the first is no more loaded than a's holder, a goes
+    there too (and stays), so the prefix ends up cached in one place."""
+    prompt = b"a tenant's long system prompt " * 200  # 23 blocks, past affinity_blocks
+    cands = [Cand(f"e{i}") for i in range(4)]
+    a, b = CacheAware[Cand](), CacheAware[Cand]()
+    home, second, *_ = a.ranking(cands, prefix_blocks(prompt, 256, 512))
+    home.load = 2.0
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"1", 256, 512)) is second
+    home.load = 0.0
+    assert b.pick(cands, usable, None, prefix_blocks(prompt + b"2", 256, 512)) is home
+    # Still busier than a's holder: a stays where it has the prefix cached.
+    home.load, second.load = 1.0, 0.0
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"3", 256, 512)) is second
+    # No busier: home, and from then on home while it is within the bound.
+    home.load = 0.0
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"4", 256, 512)) is home
+    home.load = 1.0
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"5", 256, 512)) is home
+
+
+def test_where_prompts_share_nothing_a_new_one_goes_to_the_least_loaded() -> None:
+    """Most recent picks distinct: the least loaded of all (nothing will recur), ties in
+    rendezvous order."""
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](window=64)
     for i in range(64):
         balancer.pick(cands, usable, None, prefix_blocks(b"unique %d " % i * 60, 128, 512))
     blocks = prefix_blocks(b"one more unique prompt " * 40, 128, 512)
-    first, second, *_ = balancer.ranking(cands, blocks)
-    first.load, second.load = 1.0, 0.5
+    first, second, third, fourth = balancer.ranking(cands, blocks)
+    first.load, second.load, third.load, fourth.load = 1.0, 0.5, 2.0, 0.25
+    assert balancer.pick(cands, usable, None, blocks) is fourth
+    blocks = prefix_blocks(b"and another unique prompt " * 40, 128, 512)
+    first, second, third, fourth = balancer.ranking(cands, blocks)
+    first.load, second.load, third.load, fourth.load = 1.0, 0.0, 2.0, 0.0
     assert balancer.pick(cands, usable, None, blocks) is second
+
+
+@given(st.lists(st.integers(0, 6).map(float), min_size=2, max_size=8), st.binary(min_size=200))
+def test_a_prompt_that_shares_nothing_goes_to_a_least_loaded_endpoint(
+    loads: list[float], tail: bytes
+) -> None:
+    cands = [Cand(f"e{i}") for i in range(len(loads))]
+    balancer = CacheAware[Cand](window=16)
+    for i in range(16):
+        balancer.pick(cands, usable, None, prefix_blocks(b"warm %d " % i * 60, 128, 512))
+    for c, load in zip(cands, loads, strict=True):
+        c.load = load
+    picked = balancer.pick(cands, usable, None, prefix_blocks(tail + b"!" * 300, 128, 512))
+    assert picked is not None
+    assert picked.load == min(loads)
 
 
 def test_kv_cache_use_does_not_tip_an_endpoint_over_the_bound() -> None:

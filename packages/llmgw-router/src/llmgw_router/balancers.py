@@ -240,7 +240,9 @@ class CacheAware(Balancer[L]):
       A prefix sent nowhere yet goes to its first rendezvous choice, or the second when
       that one carries at least 2 requests fewer (a closer call is noise that routers
       would each decide their own way); where over 3 in 4 recent picks carried distinct
-      prefixes (nothing to share), when the second is less loaded at all.
+      prefixes (nothing to share), to the least loaded endpoint of all. A prefix held
+      only away from its first choice goes back there once that one is no more loaded
+      than the holder, so routers that placed it differently converge on one home.
     - Demand: the share ``s`` of this router's last ``window`` picks that carried the
       prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
       ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
@@ -436,12 +438,30 @@ class CacheAware(Balancer[L]):
             ranking += [i for i in order if i not in group]
         else:
             rest = [i for i in order if not match[i]]
-            if not holders and self._second_is_less_loaded(per_load[rest[0]], per_load[rest[1]]):
-                # A prefix this router has not sent anywhere yet: its first rendezvous
-                # choice, or the second (the same two on every router) when that one is
-                # less loaded (see _second_is_less_loaded).
-                rest[0], rest[1] = rest[1], rest[0]
-            ranking = holders + rest
+            if not holders:
+                # A prefix this router has not sent anywhere yet.
+                if self._mostly_distinct():
+                    # Nothing recurs: the least loaded of all, ties in rendezvous order.
+                    least = min(rest, key=per_load.__getitem__)
+                    rest.remove(least)
+                    rest.insert(0, least)
+                elif per_load[rest[0]] - per_load[rest[1]] >= _CLEARLY_LESS:
+                    # Its first rendezvous choice, or the second (the same two on every
+                    # router) when that one is clearly less loaded: the routers of a
+                    # fleet see the same engine figures but each only its own sends
+                    # since, and at a closer call each would place a tenant by its own
+                    # noise, caching it twice.
+                    rest[0], rest[1] = rest[1], rest[0]
+                ranking = rest
+            elif not match[order[0]] and per_load[order[0]] <= per_load[holders[0]]:
+                # Held elsewhere but not at its first rendezvous choice (it went to the
+                # second when that one was clearly less loaded, or another router sent it
+                # there): home again once home is no more loaded than the holder. Every
+                # router of a fleet then converges on one home for the prefix, and the
+                # copies elsewhere age out of those caches.
+                ranking = [order[0], *holders, *(i for i in rest if i != order[0])]
+            else:
+                ranking = holders + rest
         total = sum(loads)
         weight_total = sum(weights)
         first = ranking[0]
@@ -457,20 +477,12 @@ class CacheAware(Balancer[L]):
             return min(held, key=per_load.__getitem__)
         return within[0] if within else min(ranking, key=per_load.__getitem__)
 
-    def _second_is_less_loaded(self, first: float, second: float) -> bool:
-        """Whether a new prefix goes to its second rendezvous choice rather than the first.
-
-        Where the recent picks mostly share prefixes, a new one will likely recur and
-        stay where it lands: the second must be clearly less loaded (2 requests), since
-        the routers of a fleet see the same engine figures but each only its own sends
-        since, and at a closer call each would place a tenant by its own noise, caching
-        it twice. Where they are mostly distinct (over 3 in 4 of them, once the window is
-        a quarter full: prompts that share nothing), the less loaded, as power of two
-        choices."""
+    def _mostly_distinct(self) -> bool:
+        """Whether over 3 in 4 of the recent picks carried distinct prefixes (once the
+        window is a quarter full): prompts that share nothing, where a new one will not
+        recur and only load matters."""
         recent = len(self._recent)
-        if recent >= self.window // 4 and 4 * len(self._recent_counts) > 3 * recent:
-            return second < first
-        return first - second >= _CLEARLY_LESS
+        return recent >= self.window // 4 and 4 * len(self._recent_counts) > 3 * recent
 
     def within(
         self, load: float, load_total: float, weight: int, weight_total: int, n: int
