@@ -22,6 +22,7 @@ class Cand:
     load: float = 0.0
     generation: int = 0
     up: bool = True
+    awaiting_first: int = 0
 
 
 def usable(c: Cand) -> bool:
@@ -247,19 +248,24 @@ def test_where_prompts_share_nothing_a_new_one_goes_to_the_least_loaded() -> Non
     assert balancer.pick(cands, usable, None, blocks) is second
 
 
-@given(st.lists(st.integers(0, 6).map(float), min_size=2, max_size=8), st.binary(min_size=200))
-def test_a_prompt_that_shares_nothing_goes_to_a_least_loaded_endpoint(
-    loads: list[float], tail: bytes
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6).map(float)), min_size=2, max_size=8),
+    st.binary(min_size=200),
+)
+def test_a_prompt_that_shares_nothing_goes_where_the_fewest_wait_for_a_first_token(
+    queues: list[tuple[int, float]], tail: bytes
 ) -> None:
-    cands = [Cand(f"e{i}") for i in range(len(loads))]
+    """The fewest requests still without a first byte (queued or in prefill), then the
+    least loaded."""
+    cands = [Cand(f"e{i}") for i in range(len(queues))]
     balancer = CacheAware[Cand](window=16)
     for i in range(16):
         balancer.pick(cands, usable, None, prefix_blocks(b"warm %d " % i * 60, 128, 512))
-    for c, load in zip(cands, loads, strict=True):
-        c.load = load
+    for c, (waiting, load) in zip(cands, queues, strict=True):
+        c.awaiting_first, c.load = waiting, max(load, float(waiting))
     picked = balancer.pick(cands, usable, None, prefix_blocks(tail + b"!" * 300, 128, 512))
     assert picked is not None
-    assert picked.load == min(loads)
+    assert (picked.awaiting_first, picked.load) == min((c.awaiting_first, c.load) for c in cands)
 
 
 def test_kv_cache_use_does_not_tip_an_endpoint_over_the_bound() -> None:

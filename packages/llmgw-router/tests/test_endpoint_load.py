@@ -17,6 +17,7 @@ def make() -> Endpoint:
 def test_sends_and_finishes_after_the_reading_correct_it() -> None:
     ep = make()
     t0 = time.monotonic()
+    ep.report(EngineLoad(measured_at=t0 - 0.5))
     # Two requests in flight when the engine's figures are read at t0 ...
     ep.sent(t0 - 0.2)
     ep.sent(t0 - 0.1)
@@ -37,6 +38,14 @@ def test_sends_and_finishes_after_the_reading_correct_it() -> None:
     assert ep.load == 4.5
 
 
+def test_nothing_is_counted_apart_without_engine_figures() -> None:
+    ep = make()
+    ep.sent(time.monotonic())
+    ep.finished(time.monotonic())
+    assert ep.sent_since_report == 0
+    assert ep.finished_since_report == 0
+
+
 def test_never_below_this_routers_own_in_flight_count() -> None:
     ep = make()
     t0 = time.monotonic()
@@ -48,7 +57,9 @@ def test_never_below_this_routers_own_in_flight_count() -> None:
 def test_unknown_or_stale_figures_fall_back_to_own_counts() -> None:
     ep = make()
     ep.outstanding = 3
+    ep.report(EngineLoad(measured_at=time.monotonic()))
     ep.sent(time.monotonic())
+    assert ep.sent_since_report == 1
     ep.report(None)
     assert ep.load == 3.0
     assert ep.sent_since_report == 0
@@ -66,6 +77,7 @@ def test_only_what_happened_after_the_reading_is_counted(
 ) -> None:
     ep = make()
     base = time.monotonic() - 1.0  # the reading within load_max_age of now
+    ep.report(EngineLoad(measured_at=base - 1.0))  # an earlier one, to correct
     for at, is_send in sorted(events):
         (ep.sent if is_send else ep.finished)(base + at)
     ep.report(EngineLoad(running=reported, measured_at=base + reading))

@@ -220,3 +220,49 @@ def test_an_engine_restart_clears_that_engines_prefix_state(
     assert endpoint(router, "e1-replica")["generation"] == 2
     assert endpoint(router, "e1-replica")["prefix_blocks"] == 0
     assert endpoint(router, "e2-replica")["prefix_blocks"] == e2_blocks
+
+
+async def test_requests_without_a_first_byte_are_counted_until_it_comes(
+    spawn_router: Spawn, spawn_upstream: Spawn
+) -> None:
+    """What a new request's first token waits behind: requests queued or in prefill. The
+    router counts its own from the pick to the first byte, and shows the count."""
+    up = await asyncio.to_thread(
+        spawn_upstream, "slow", ["m1"], "--first-delay", "2", "--chunk-delay", "0.4"
+    )
+    router = await asyncio.to_thread(
+        spawn_router, {"endpoints": [up.entry(["m1"])], "health_checks": {"enabled": False}}
+    )
+
+    def view() -> dict[str, Any]:
+        return endpoint(router, "slow")
+
+    body = {**prompt(1), "stream": True, "max_tokens": 8}
+    first = asyncio.Event()
+
+    async def stream() -> int:
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            http.stream("POST", router.url + "/v1/chat/completions", json=body) as r,
+        ):
+            # The router answers with the engine's first byte (after its 2 s).
+            first.set()
+            chunks = [chunk async for chunk in r.aiter_bytes()]
+            assert b"[DONE]" in b"".join(chunks)
+            return r.status_code
+
+    task = asyncio.create_task(stream())
+    await asyncio.to_thread(
+        wait_for, lambda: view()["awaiting_first_byte"] == 1, what="counted as waiting"
+    )
+    assert view()["outstanding"] == 1
+    await asyncio.wait_for(first.wait(), 30)
+    # Generating (8 chunks 0.4 s apart), no longer waiting for a first byte.
+    await asyncio.to_thread(
+        wait_for, lambda: view()["awaiting_first_byte"] == 0, what="no longer waiting"
+    )
+    assert view()["outstanding"] == 1
+    assert await task == 200
+    await asyncio.to_thread(wait_for, lambda: view()["outstanding"] == 0, what="finished")
+    assert view()["awaiting_first_byte"] == 0
+    assert view()["finished_since_report"] == 0  # no engine figures: nothing to correct

@@ -112,6 +112,7 @@ def admin_app(state: RouterState) -> Starlette:
                         "state": ep.state(now),
                         "healthy": ep.healthy,
                         "outstanding": ep.outstanding,
+                        "awaiting_first_byte": ep.awaiting_first,
                         "consecutive_failures": ep.outlier.consecutive_failures,
                         "ejections": ep.outlier.ejections,
                         "ejected_for": round(max(0.0, ep.outlier.ejected_until - now), 3),

@@ -170,6 +170,8 @@ class LoadedCandidate(Candidate, Protocol):
     @property
     def load(self) -> float: ...
     @property
+    def awaiting_first(self) -> int: ...
+    @property
     def generation(self) -> int: ...
 
 
@@ -250,8 +252,11 @@ class CacheAware(Balancer[L]):
       (equals in turn): one hot prefix spreads over as many replicas as its load needs, in
       the same order on every router.
     - Load: each candidate's ``load`` (the engine's running + waiting requests and KV use
-      plus this router's requests since that report, or this router's own in-flight count
-      when the engine's figures are unknown or stale).
+      when read, corrected by this router's sends and completions since; or this router's
+      own in-flight count when the engine's figures are unknown or stale). Where load
+      alone decides (a hot prefix's spread, prompts that share nothing), ``awaiting_first``
+      comes first: this router's requests there still without a first byte (queued or in
+      prefill, what a new request's first token waits behind).
     - Bounded load: the first endpoint of that ranking takes the request when its load,
       with this request, stays within ``ceil((1 + epsilon) * (total + 1) * weight /
       total_weight) + slack * weight / mean_weight``; the absolute ``slack`` (requests)
@@ -419,6 +424,14 @@ class CacheAware(Balancer[L]):
         loads = [c.load for c in ready]
         weights = [max(1, c.weight) for c in ready]
         per_load = [load / w for load, w in zip(loads, weights, strict=True)]
+        # Where load alone decides (a hot prefix's spread, prompts that share nothing):
+        # first the requests still waiting for their first byte (queued or in prefill:
+        # what a new request's first token waits behind; a decoding request costs it
+        # little), then the load.
+        queue = [
+            (c.awaiting_first / w, load)
+            for c, w, load in zip(ready, weights, per_load, strict=True)
+        ]
         depth = min(len(prefix), self.affinity_blocks)
         block = prefix[depth - 1]
         self._turn += 1
@@ -431,8 +444,8 @@ class CacheAware(Balancer[L]):
             # A hot prefix: its first `need` rendezvous choices and its holders, least
             # loaded first, equals in turn (a counter: two routers with one history agree).
             group = set(order[:need]).union(holders)
-            spread = sorted((i for i in order if i in group), key=per_load.__getitem__)
-            tied = [i for i in spread if per_load[i] == per_load[spread[0]]]
+            spread = sorted((i for i in order if i in group), key=queue.__getitem__)
+            tied = [i for i in spread if queue[i] == queue[spread[0]]]
             turn = self._turn % len(tied)
             ranking = tied[turn:] + tied[:turn] + spread[len(tied) :]
             ranking += [i for i in order if i not in group]
@@ -441,10 +454,8 @@ class CacheAware(Balancer[L]):
             if not holders:
                 # A prefix this router has not sent anywhere yet.
                 if self._mostly_distinct():
-                    # Nothing recurs: the least loaded of all, ties in rendezvous order.
-                    least = min(rest, key=per_load.__getitem__)
-                    rest.remove(least)
-                    rest.insert(0, least)
+                    # Nothing recurs: the least loaded first, ties in rendezvous order.
+                    rest.sort(key=queue.__getitem__)
                 elif per_load[rest[0]] - per_load[rest[1]] >= _CLEARLY_LESS:
                     # Its first rendezvous choice, or the second (the same two on every
                     # router) when that one is clearly less loaded: the routers of a

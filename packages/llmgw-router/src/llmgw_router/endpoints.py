@@ -58,6 +58,9 @@ class Endpoint:
 
     spec: EndpointSpec
     outstanding: int = 0
+    # Of those, the ones without a first byte yet: queued or in prefill at the engine,
+    # what the next request's time to first token waits behind.
+    awaiting_first: int = 0
     outlier: OutlierState = field(default_factory=OutlierState)
     # Active health checks; an endpoint starts healthy so it serves before the first probe.
     healthy: bool = True
@@ -122,14 +125,19 @@ class Endpoint:
         )
 
     def sent(self, at: float) -> None:
-        """This router picked the endpoint for a request (at ``at``, time.monotonic)."""
-        self.sent_since_report += 1
-        self._event(at, 1)
+        """This router picked the endpoint for a request (at ``at``, time.monotonic).
+
+        Counted only while there are engine figures to correct: without them the load
+        is this router's own in-flight count, and a first report covers what it saw."""
+        if self.engine is not None:
+            self.sent_since_report += 1
+            self._event(at, 1)
 
     def finished(self, at: float) -> None:
         """A request this router sent here ended (answered, failed or cancelled)."""
-        self.finished_since_report += 1
-        self._event(at, -1)
+        if self.engine is not None:
+            self.finished_since_report += 1
+            self._event(at, -1)
 
     def _event(self, at: float, kind: int) -> None:
         events = self._events

@@ -714,6 +714,8 @@ class ProxyApp:
         assert pool is not None
         deadlines = ctx.deadlines
         ep.outstanding += 1
+        ep.awaiting_first += 1
+        awaiting = True
         response: Response | None = None
         clean = False
         try:
@@ -738,6 +740,9 @@ class ProxyApp:
                         (status, self._response_headers(response), payload),
                     )
                 first = await response.read_chunk(first_byte_by)
+                # Past the queue and the prefill: the engine is generating for it.
+                ep.awaiting_first -= 1
+                awaiting = False
             except TimeoutError:
                 raise _UpstreamFailure(
                     "timeout_first_byte",
@@ -752,6 +757,8 @@ class ProxyApp:
             clean = await self._relay(ctx, send, ep, response, first)
         finally:
             ep.outstanding -= 1
+            if awaiting:
+                ep.awaiting_first -= 1
             ep.finished(now())
             if response is not None:
                 # An unfinished response must not go back to the pool: closing it is

@@ -617,14 +617,19 @@ class Supervisor:
             if not results:
                 return web.json_response({"error": "no worker answered"}, status=503)
             merged = msgspec.json.decode(results[0][2])
-            outstanding: dict[str, int] = {}
+            # The workers' counts of one endpoint add up; the rest is the first's view.
+            summed = ("outstanding", "awaiting_first_byte")
+            totals: dict[tuple[str, str], int] = {}
             states: dict[str, list[str]] = {}
             for _, _, body, _ in results:
                 for ep in msgspec.json.decode(body).get("endpoints", []):
-                    outstanding[ep["id"]] = outstanding.get(ep["id"], 0) + ep.get("outstanding", 0)
+                    for key in summed:
+                        at = (ep["id"], key)
+                        totals[at] = totals.get(at, 0) + ep.get(key, 0)
                     states.setdefault(ep["id"], []).append(ep.get("state", ""))
             for ep in merged.get("endpoints", []):
-                ep["outstanding"] = outstanding.get(ep["id"], ep.get("outstanding", 0))
+                for key in summed:
+                    ep[key] = totals.get((ep["id"], key), ep.get(key, 0))
                 # Each worker's own view, in worker order (they agree but for moments).
                 ep["state_by_worker"] = states.get(ep["id"], [])
             merged["workers"] = len(results)
