@@ -178,9 +178,6 @@ class LoadedCandidate(Candidate, Protocol):
 L = TypeVar("L", bound=LoadedCandidate)
 
 _MASK = (1 << 64) - 1
-# A new prefix goes to its second rendezvous choice only when that one carries at least
-# this many requests fewer (per unit of weight) than the first.
-_CLEARLY_LESS = 2.0
 
 
 def _mix(x: int) -> int:
@@ -239,12 +236,13 @@ class CacheAware(Balancer[L]):
       prefix goes. What this router itself sent refines that: endpoints that were sent
       more of this prefix than the rendezvous block covers (its holders) rank first, the
       longer match first, equals in rendezvous order (so a prefix stays where it is).
-      A prefix sent nowhere yet goes to its first rendezvous choice, or the second when
-      that one carries at least 2 requests fewer (a closer call is noise that routers
-      would each decide their own way); where over 3 in 4 recent picks carried distinct
-      prefixes (nothing to share), to the least loaded endpoint of all. A prefix held
-      only away from its first choice goes back there once that one is no more loaded
-      than the holder, so routers that placed it differently converge on one home.
+      A prefix sent nowhere yet goes to its first rendezvous choice whatever the loads
+      (within the bound), so every router places it alike (routers share the engines'
+      figures but each adds only its own sends since: a load-dependent first placement
+      had four routers cache a tenant on two engines); where over 3 in 4 recent picks
+      carried distinct prefixes (nothing recurs), to the least loaded endpoint of all. A
+      prefix held only away from its first choice (it spilled there) goes back once that
+      one is no more loaded than the holder, so routers that placed it apart converge.
     - Demand: the share ``s`` of this router's last ``window`` picks that carried the
       prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
       ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
@@ -452,21 +450,17 @@ class CacheAware(Balancer[L]):
         else:
             rest = [i for i in order if not match[i]]
             if not holders:
-                # A prefix this router has not sent anywhere yet.
+                # A prefix this router has not sent anywhere yet: its first rendezvous
+                # choice, whatever the loads (the bound below aside), so every router
+                # of a fleet places it alike. Where prompts share nothing (nothing
+                # recurs, nothing to agree on): the least loaded first, ties in
+                # rendezvous order.
                 if self._mostly_distinct():
-                    # Nothing recurs: the least loaded first, ties in rendezvous order.
                     rest.sort(key=queue.__getitem__)
-                elif per_load[rest[0]] - per_load[rest[1]] >= _CLEARLY_LESS:
-                    # Its first rendezvous choice, or the second (the same two on every
-                    # router) when that one is clearly less loaded: the routers of a
-                    # fleet see the same engine figures but each only its own sends
-                    # since, and at a closer call each would place a tenant by its own
-                    # noise, caching it twice.
-                    rest[0], rest[1] = rest[1], rest[0]
                 ranking = rest
             elif not match[order[0]] and per_load[order[0]] <= per_load[holders[0]]:
                 # Held elsewhere but not at its first rendezvous choice (it went to the
-                # second when that one was clearly less loaded, or another router sent it
+                # second when home was over the bound, or another router sent it
                 # there): home again once home is no more loaded than the holder. Every
                 # router of a fleet then converges on one home for the prefix, and the
                 # copies elsewhere age out of those caches.
