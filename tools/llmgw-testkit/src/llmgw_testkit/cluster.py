@@ -130,8 +130,14 @@ class SystemView:
             return {m["id"] for m in json.loads(resp.read())["data"]}
 
     def wait_router_models(self, *models: str, timeout: float = 60.0) -> None:
+        """Until the router lists ``models`` and is ready: with workers, /readyz answers
+        200 only once every worker has had endpoints (one worker listing the models says
+        nothing of the others, which the kernel hands connections to as well)."""
         wait_for(
-            lambda: set(models) <= self.router_models(),
+            lambda: (
+                set(models) <= self.router_models()
+                and self._healthy(self.router_admin_port, "/readyz")
+            ),
             timeout=timeout,
             what=f"router serving {', '.join(models)}",
         )
