@@ -422,14 +422,6 @@ class CacheAware(Balancer[L]):
         loads = [c.load for c in ready]
         weights = [max(1, c.weight) for c in ready]
         per_load = [load / w for load, w in zip(loads, weights, strict=True)]
-        # Where load alone decides (a hot prefix's spread, prompts that share nothing):
-        # first the requests still waiting for their first byte (queued or in prefill:
-        # what a new request's first token waits behind; a decoding request costs it
-        # little), then the load.
-        queue = [
-            (c.awaiting_first / w, load)
-            for c, w, load in zip(ready, weights, per_load, strict=True)
-        ]
         depth = min(len(prefix), self.affinity_blocks)
         block = prefix[depth - 1]
         self._turn += 1
@@ -442,6 +434,7 @@ class CacheAware(Balancer[L]):
             # A hot prefix: its first `need` rendezvous choices and its holders, least
             # loaded first, equals in turn (a counter: two routers with one history agree).
             group = set(order[:need]).union(holders)
+            queue = self._queue(ready, weights, per_load)
             spread = sorted((i for i in order if i in group), key=queue.__getitem__)
             tied = [i for i in spread if queue[i] == queue[spread[0]]]
             turn = self._turn % len(tied)
@@ -456,7 +449,7 @@ class CacheAware(Balancer[L]):
                 # recurs, nothing to agree on): the least loaded first, ties in
                 # rendezvous order.
                 if self._mostly_distinct():
-                    rest.sort(key=queue.__getitem__)
+                    rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
                 ranking = rest
             elif not match[order[0]] and per_load[order[0]] <= per_load[holders[0]]:
                 # Held elsewhere but not at its first rendezvous choice (it went to the
@@ -481,6 +474,19 @@ class CacheAware(Balancer[L]):
         if held:
             return min(held, key=per_load.__getitem__)
         return within[0] if within else min(ranking, key=per_load.__getitem__)
+
+    @staticmethod
+    def _queue(
+        ready: Sequence[L], weights: Sequence[int], per_load: Sequence[float]
+    ) -> list[tuple[float, float]]:
+        """Per candidate, where load alone decides (a hot prefix's spread, prompts that
+        share nothing): first the requests still waiting for their first byte (queued or
+        in prefill: what a new request's first token waits behind; a decoding request
+        costs it little), then the load. Built only on those paths, not on every pick."""
+        return [
+            (c.awaiting_first / w, load)
+            for c, w, load in zip(ready, weights, per_load, strict=True)
+        ]
 
     def _mostly_distinct(self) -> bool:
         """Whether over 3 in 4 of the recent picks carried distinct prefixes (once the
