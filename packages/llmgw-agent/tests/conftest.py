@@ -146,7 +146,8 @@ def make_start(**overrides: Any) -> v1.StartShard:
 # A stand-in engine (the simulator's understudy): it prints its argv, serves
 # /health (503 for SIM_LOAD seconds, then 200) and /metrics (running requests read
 # from the file SIM_RUNNING_FILE), and exits with SIM_EXIT after SIM_EXIT_AFTER
-# seconds. Knobs come through the environment so the argv stays a real engine's.
+# seconds; SIM_ACCESS_LOG prints an access line per request. Knobs come through the
+# environment so the argv stays a real engine's.
 FAKE_ENGINE = textwrap.dedent(
     r"""
     import http.server, os, signal, sys, threading, time
@@ -166,6 +167,10 @@ FAKE_ENGINE = textwrap.dedent(
         signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), os._exit(0)))
     class H(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a): pass
+        def log_request(self, code="-", size="-"):
+            if env("SIM_ACCESS_LOG"):  # uvicorn's access line, as vLLM and SGLang write it
+                host, port = self.client_address[:2]
+                print('INFO:     %s:%d - "%s" %s' % (host, port, self.requestline, code), flush=True)
         def do_GET(self):
             if self.path == "/health":
                 code = 200 if time.monotonic() - t0 >= load else 503

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import os
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.supervisor import Supervisor, cmdline_matches, live_records, process_start_ticks
@@ -142,6 +145,34 @@ async def test_crash_reports_failed_with_exit_code_and_tail(
     assert sup.engines == {}
     # No restart by the agent: nothing else is launched.
     assert recorder.states(start.shard_id)[-1] == S.FAILED
+
+
+async def test_the_tail_of_a_killed_engine_leaves_out_the_agents_own_polls(
+    kit: Any, make_config: Callable[..., AgentConfig], recorder: Recorder, reap: list[int]
+) -> None:
+    # vLLM's uvicorn writes an access line for every health and metrics poll: a quiet
+    # engine's tail would be nothing else within seconds.
+    sup = make_supervisor(make_config(output_tail_lines=40, health_interval="0.05s"), recorder)
+    start = kit.make_start(port=free_port(), env={"SIM_LOAD": "0.5", "SIM_ACCESS_LOG": "1"})
+    assert sup.start(start).ok
+    pid = sup.engines[start.shard_id].pid
+    reap.append(pid)
+    await recorder.wait(start.shard_id, S.READY)
+    output = Path(sup.engines[start.shard_id].record.output_path)
+    # The load poller's metrics scrapes, as the agent makes them once the engine is ready.
+    async with aiohttp.ClientSession() as session:
+        for _ in range(60):
+            async with session.get(f"http://127.0.0.1:{start.port}/metrics") as response:
+                assert response.status == 200
+    scrapes = r'"GET /metrics HTTP/1\.[01]" 200'
+    assert len(re.findall(scrapes, await asyncio.to_thread(output.read_text))) == 60
+    os.kill(pid, signal.SIGKILL)
+    failed = await recorder.wait(start.shard_id, S.FAILED)
+    tail = failed.output_tail
+    assert "listening on" in tail  # the engine's own lines, from before the polls
+    assert re.search(r'"GET /health HTTP/1\.[01]" 503', tail)  # a poll that said something
+    assert '" 200' not in tail
+    assert re.search(scrapes, await asyncio.to_thread(output.read_text))  # the file keeps them
 
 
 async def test_killed_engine_reports_signal(

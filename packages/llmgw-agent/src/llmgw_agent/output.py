@@ -3,6 +3,11 @@
 Engines write to a file, never a pipe (a pipe would die with the agent and take the
 engine with it). The file is truncated past a size limit; the last lines stay in memory
 for the output tail of a FAILED status.
+
+The engine's access lines for the agent's own polls (its health and metrics URLs, answered
+200, about two a second) are left in the file but kept out of the tail and the agent's log:
+otherwise a 40-line tail is nothing but polls seconds after the engine went quiet, and the
+lines that say why it died are pushed out.
 """
 
 from __future__ import annotations
@@ -10,19 +15,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import structlog
 
-__all__ = ["OutputFollower", "file_tail"]
+__all__ = ["OutputFollower", "file_tail", "poll_lines"]
 
 engine_log = structlog.get_logger("llmgw_agent.engine")
 
+Skip = Callable[[str], bool]
+
+
+def poll_lines(paths: Iterable[str]) -> Skip:
+    """Whether a line is an engine's access line for a successful GET of one of ``paths``.
+
+    uvicorn (vLLM, SGLang): ``INFO:     127.0.0.1:5400 - "GET /metrics HTTP/1.1" 200 OK``,
+    with vLLM's ``(APIServer pid=N)`` before it; llama-server:
+    ``srv  log_server_r: request: GET /health 127.0.0.1 200``. Another status (a 503 while
+    loading, a 500) is kept: it says something.
+    """
+    alternatives = "|".join(re.escape(p) for p in sorted(set(paths)) if p)
+    if not alternatives:
+        return lambda line: False
+    pattern = re.compile(
+        rf'"GET (?:{alternatives})(?:\?\S*)? HTTP/[0-9.]+" 200\b'
+        rf"|\brequest: GET (?:{alternatives})(?:\?\S*)? \S+ 200\s*$"
+    )
+    return lambda line: pattern.search(line) is not None
+
+
+def _never(line: str) -> bool:
+    return False
+
 
 class OutputFollower:
-    def __init__(self, path: Path, shard_id: str, *, lines: int, max_bytes: int) -> None:
+    def __init__(
+        self, path: Path, shard_id: str, *, lines: int, max_bytes: int, skip: Skip = _never
+    ) -> None:
         self.path = path
+        self.skip = skip
         self.shard_id = shard_id
         self.lines: deque[str] = deque(maxlen=lines)
         self.max_bytes = max_bytes
@@ -40,7 +74,8 @@ class OutputFollower:
         except OSError:
             return
         # A read that starts mid-file starts mid-line: drop that first fragment.
-        self.lines.extend(recent[1:] if start else recent)
+        recent = recent[1:] if start else recent
+        self.lines.extend(line for line in recent if not self.skip(line))
         self.offset = size
 
     def tail(self, lines: int) -> str:
@@ -75,6 +110,8 @@ class OutputFollower:
             self._partial = b""
         for raw in chunks:
             line = raw.decode(errors="replace").rstrip("\r")
+            if self.skip(line):
+                continue
             self.lines.append(line)
             engine_log.info(line, shard=self.shard_id)
         if self.offset > self.max_bytes:
@@ -85,10 +122,13 @@ class OutputFollower:
                 self.offset = 0
 
 
-def file_tail(path: Path, lines: int) -> str:
+def file_tail(path: Path, lines: int, skip: Skip = _never) -> str:
     try:
         with path.open("rb") as f:
             f.seek(max(0, path.stat().st_size - 64 * 1024))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+            kept = [
+                line for line in f.read().decode(errors="replace").splitlines() if not skip(line)
+            ]
+            return "\n".join(kept[-lines:])
     except OSError:
         return ""

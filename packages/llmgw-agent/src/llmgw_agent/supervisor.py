@@ -19,17 +19,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import structlog
 from llmgw_proto import v1
 
-from llmgw_agent.adapters import Adapter, adapter_for
+from llmgw_agent.adapters import Adapter, Launch, adapter_for
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engines import InstalledEngine, load_installed
 from llmgw_agent.health import health_status, running_requests
 from llmgw_agent.kv_events import KvSource
 from llmgw_agent.load import LoadSource
-from llmgw_agent.output import OutputFollower, file_tail
+from llmgw_agent.output import OutputFollower, Skip, file_tail, poll_lines
 from llmgw_agent.plan import Plan, Refused, plan
 from llmgw_agent.procs import (
     cmdline_matches,
@@ -266,7 +267,11 @@ class Supervisor:
                     record.start,
                     S.FAILED,
                     reason=f"engine pid {record.pid} exited while no agent was watching it",
-                    tail=file_tail(Path(record.output_path), self.config.output_tail_lines),
+                    tail=file_tail(
+                        Path(record.output_path),
+                        self.config.output_tail_lines,
+                        _own_polls(record.launch),
+                    ),
                 )
                 continue
             state = S.from_string(record.state) if record.state else S.STARTING
@@ -314,6 +319,7 @@ class Supervisor:
             record.shard_id,
             lines=self.config.output_buffer_lines,
             max_bytes=self.config.output_file_max_bytes,
+            skip=_own_polls(record.launch),
         )
 
     def _refuse(self, start: v1.StartShard, reason: str) -> v1.CommandResult:
@@ -548,3 +554,8 @@ class Supervisor:
             log.warning("engine ignored SIGTERM; killing", shard=engine.shard_id, grace=grace)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(engine.pid, signal.SIGKILL)
+
+
+def _own_polls(launch: Launch) -> Skip:
+    """The engine's access lines for this agent's health and metrics polls."""
+    return poll_lines(urlsplit(url).path for url in (launch.health_url, launch.metrics_url) if url)
