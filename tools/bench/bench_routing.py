@@ -835,12 +835,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps([r.row() for r in results], indent=1))
     else:
-        print(
-            f"fleet ({args.fleet}): {fleet.engines} simulated vLLM engines, prefill {fleet.prefill_rate:g} "
-            f"tokens/s, step {1000 * fleet.step_time:g} ms + {1000 * fleet.decode_seq_time:g} "
-            f"ms/sequence, KV {fleet.kv_blocks} blocks x {fleet.block_size}; "
-            f"no-cache capacity {fleet.capacity(args.shape):.1f} req/s; {args.shape}"
-        )
+        if args.engine == "llamacpp":
+            print(
+                f"fleet (control): {args.engines} real llama-server replicas, "
+                f"{args.cpu_threads} thread(s) each, engine_args {args.llama_args!r}; "
+                f"{args.rate:g} req/s offered; {args.shape}"
+            )
+        else:
+            print(
+                f"fleet ({args.fleet}): {fleet.engines} simulated vLLM engines, prefill "
+                f"{fleet.prefill_rate:g} tokens/s, step {1000 * fleet.step_time:g} ms + "
+                f"{1000 * fleet.decode_seq_time:g} ms/sequence, KV {fleet.kv_blocks} blocks x "
+                f"{fleet.block_size}; no-cache capacity {fleet.capacity(args.shape):.1f} req/s; "
+                f"{args.shape}"
+            )
         print(table(results))
         for line in ratios(results):
             print(line)
