@@ -29,6 +29,10 @@ engine_log = structlog.get_logger("llmgw_agent.engine")
 Skip = Callable[[str], bool]
 
 
+def _never(line: str) -> bool:
+    return False
+
+
 def poll_lines(paths: Iterable[str]) -> Skip:
     """Whether a line is an engine's access line for a successful GET of one of ``paths``.
 
@@ -39,16 +43,12 @@ def poll_lines(paths: Iterable[str]) -> Skip:
     """
     alternatives = "|".join(re.escape(p) for p in sorted(set(paths)) if p)
     if not alternatives:
-        return lambda line: False
+        return _never
     pattern = re.compile(
         rf'"GET (?:{alternatives})(?:\?\S*)? HTTP/[0-9.]+" 200\b'
         rf"|\brequest: GET (?:{alternatives})(?:\?\S*)? \S+ 200\s*$"
     )
     return lambda line: pattern.search(line) is not None
-
-
-def _never(line: str) -> bool:
-    return False
 
 
 class OutputFollower:
