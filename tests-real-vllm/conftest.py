@@ -14,6 +14,7 @@ An engine start costs a minute or more and 5 GB, so the whole suite shares one s
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llmgw_testkit import free_port
 from llmgw_testkit.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +63,18 @@ def vllm(exe: Path) -> Engine:
             "512",
             "--kv-cache-memory-bytes",
             "64M",
+            # Blocks of 32 tokens (128 by default on the CPU: a test prompt would fill
+            # none), published as KV-cache events for precise matching.
+            "--block-size",
+            "32",
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{free_port()}",
+                }
+            ),
         ],
         env={
             "HF_HUB_OFFLINE": "1",
@@ -162,6 +176,7 @@ def system(
     request: pytest.FixtureRequest,
     engine: Engine,
     profile: dict[str, Any],
+    hf_model: Path,
 ) -> Iterator[Cluster]:
     """Control plane (one CPU-only model), router and one CPU agent, started once.
 
@@ -173,7 +188,8 @@ def system(
     os.environ.update(engine.agent_env)
     try:
         cluster.start_control([{"name": SERVED_NAME, "profiles": {"cpu": profile}}])
-        cluster.start_router()
+        # Precise matching: the router tokenizes the model's prompts with its own files.
+        cluster.start_router(cache_aware={"tokenizers": {SERVED_NAME: str(hf_model)}})
         cluster.start_agent(
             "cpu-a",
             simulate_gpus=None,

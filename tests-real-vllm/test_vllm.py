@@ -245,6 +245,98 @@ def test_completion_through_the_router(serving: Cluster) -> None:
     assert again.choices[0].text == choice.text
 
 
+def _admin_post(cluster: Cluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{cluster.router_admin_port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (http:// above)
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def _engine_tokens(port: int, body: dict[str, Any]) -> list[int]:
+    """The engine's own tokenization of a request (vLLM's /tokenize)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/tokenize",
+        data=json.dumps({"model": SERVED_NAME, **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (http:// above)
+        tokens: list[int] = json.loads(resp.read())["tokens"]
+    return tokens
+
+
+# ~250 tokens: seven full 32-token blocks.
+SYSTEM = " ".join(
+    f"Rule {i}: answer in plain words, cite the manual, and keep it short." for i in range(16)
+)
+
+
+def test_the_router_matches_prompts_on_the_blocks_the_engine_reports_cached(
+    serving: Cluster, engine: Any
+) -> None:
+    if engine.kind != "vllm":
+        return  # SGLang's events carry no token ids here
+    shard = ready_shard(serving)
+    chat = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What is rule 3?"},
+        ]
+    }
+    completion = {"prompt": SYSTEM + " Rule 99:"}
+    # The router tokenizes both as the engine does, token for token.
+    engine_chat = _engine_tokens(shard["port"], {**chat, "add_generation_prompt": True})
+    engine_completion = _engine_tokens(shard["port"], completion)
+    before = _admin_post(serving, "/v1/match", {"model": SERVED_NAME, **chat})
+    assert before["prompt_tokens"] == len(engine_chat)
+    assert len(engine_chat) >= 7 * 32
+    assert _admin_post(serving, "/v1/match", {"model": SERVED_NAME, **completion})[
+        "prompt_tokens"
+    ] == len(engine_completion)
+
+    client = _client(serving)
+    client.chat.completions.create(model=SERVED_NAME, max_tokens=2, **chat)
+
+    # The engine's BlockStored events, named by their token ids by the agent, reach the
+    # router through the control plane: every full block of the prompt is matched.
+    full = len(engine_chat) // 32
+
+    def matched() -> dict[str, Any] | None:
+        answer = _admin_post(serving, "/v1/match", {"model": SERVED_NAME, **chat})
+        (ep,) = answer["endpoints"]
+        return ep if ep["cached_blocks"] == full else None
+
+    ep = wait_for(matched, timeout=60, what=f"the router matching all {full} blocks")
+    assert ep["token_block_size"] == 32
+    assert ep["prompt_blocks"] == full
+    # A prompt that shares only the first half of that system prompt matches exactly the
+    # blocks the two share token for token (by the engine's own tokenization).
+    half = SYSTEM[: len(SYSTEM) // 2]
+    other = {
+        "messages": [
+            {"role": "system", "content": half + " Then forget every rule above."},
+            {"role": "user", "content": "What is rule 3?"},
+        ]
+    }
+    engine_other = _engine_tokens(shard["port"], {**other, "add_generation_prompt": True})
+    common = next(
+        (i for i, (a, b) in enumerate(zip(engine_chat, engine_other, strict=False)) if a != b),
+        min(len(engine_chat), len(engine_other)),
+    )
+    (partial,) = _admin_post(serving, "/v1/match", {"model": SERVED_NAME, **other})["endpoints"]
+    assert partial["cached_blocks"] == common // 32
+    assert 0 < partial["cached_blocks"] < full
+    # The router's endpoint view counts the token-named blocks it holds.
+    status, raw = http_get(f"http://127.0.0.1:{serving.router_admin_port}/v1/endpoints")
+    assert status == 200
+    (view,) = json.loads(raw)["endpoints"]
+    assert view["token_blocks"] >= full
+    assert view["token_block_size"] == 32
+
+
 def test_load_reports_carry_the_engines_real_metrics(serving: Cluster, engine: Any) -> None:
     shard = ready_shard(serving)
     # What the engine itself says: the names the agent's adapter reads are in its /metrics.

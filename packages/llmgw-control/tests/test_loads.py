@@ -24,6 +24,7 @@ events = st.one_of(
         st.sets(st.integers(0, 30), max_size=4),
         st.sets(st.integers(0, 30), max_size=4),
         st.booleans(),
+        st.booleans(),  # named by token ids
     ),
     st.tuples(
         st.just("publish"),
@@ -48,6 +49,10 @@ def apply(view: dict[str, Any], update: v1.LoadUpdate) -> None:
             entry["blocks"] = set()
         entry["blocks"] -= set(cache.removed)
         entry["blocks"] |= set(cache.stored)
+        if cache.cleared or cache.stored:
+            entry["token_hashes"] = cache.token_hashes
+        if not entry["blocks"]:
+            entry.pop("token_hashes", None)  # what an empty cache's blocks are named by is moot
 
 
 @settings(max_examples=200, deadline=None)
@@ -70,11 +75,15 @@ def test_applied_updates_equal_a_fresh_full_picture(script: list[tuple[Any, ...]
                 float(now),
             )
         elif event[0] == "cache":
-            _, shard, stored, removed, cleared = event
+            _, shard, stored, removed, cleared, token_hashes = event
             book.cache_events(
                 "n",
                 v1.CacheEvents(
-                    shard_id=shard, stored=sorted(stored), removed=sorted(removed), cleared=cleared
+                    shard_id=shard,
+                    stored=sorted(stored),
+                    removed=sorted(removed),
+                    cleared=cleared,
+                    token_hashes=token_hashes,
                 ),
                 float(now),
             )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import zmq
-from llmgw_agent.kv_events import decode_batch
+from llmgw_agent.kv_events import CacheView, decode_events
 from llmgw_sim.testing import Sim, engine_argv, run_to_exit, start
 from llmgw_testkit import free_port, wait_for
 
@@ -52,13 +52,14 @@ def test_stored_and_evicted_blocks_reach_a_subscriber(tmp_path: Path) -> None:
             stored: list[int] = []
             removed: list[int] = []
             seqs: list[int] = []
+            view = CacheView()  # the agent's view of the engine, across batches
 
             def receive() -> bool:
                 while sub.poll(0):
                     topic, seq, payload = sub.recv_multipart()
                     assert topic == b"kv"
                     seqs.append(int.from_bytes(seq, "big"))
-                    delta = decode_batch(payload)
+                    delta = view.apply(decode_events(payload))
                     assert delta.block_size in (0, 16)
                     stored.extend(delta.stored)
                     removed.extend(delta.removed)

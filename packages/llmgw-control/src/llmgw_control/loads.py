@@ -64,6 +64,8 @@ class Figures:
 class _Cache:
     blocks: set[int] = field(default_factory=set)
     block_size: int = 0
+    # The blocks are named by their token ids (llmgw_proto.token_blocks).
+    token_hashes: bool = False
 
 
 @dataclass(eq=False)
@@ -126,6 +128,8 @@ class LoadBook:
             cache.blocks.clear()
         if msg.block_size:
             cache.block_size = msg.block_size
+        if cleared or msg.stored:
+            cache.token_hashes = msg.token_hashes
         cache.blocks.difference_update(msg.removed)
         cache.blocks.update(msg.stored)
         stored, removed = list(msg.stored), list(msg.removed)
@@ -142,6 +146,7 @@ class LoadBook:
             cleared=cleared,
             block_size=cache.block_size,
             generation=self._endpoints[endpoint_id][1],
+            token_hashes=cache.token_hashes,
         )
         for sub in self.subscribers:
             sub.caches.setdefault(endpoint_id, []).append(change)
@@ -259,6 +264,7 @@ class LoadBook:
             cleared=True,
             block_size=cache.block_size,
             generation=generation,
+            token_hashes=cache.token_hashes,
         )
 
     # --- for status and autoscaling -----------------------------------------------------

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -13,6 +15,7 @@ from starlette.routing import Route
 
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.state import RouterState
+from llmgw_router.tokens import PromptBlocks, PromptTokenizer
 
 __all__ = ["admin_app"]
 
@@ -91,6 +94,9 @@ def admin_app(state: RouterState) -> Starlette:
                 "version": current.version,
                 "source": current.source,
                 "balancer": state.config.balancer,
+                # Precise matching: picks where the engines' reported caches (their
+                # blocks named by token ids) named where the prompt is held.
+                "engine_cache_picks": getattr(state.balancer, "engine_cache_picks", 0),
                 "control": {
                     "address": state.control.address,
                     "connected": state.control.connected,
@@ -126,9 +132,62 @@ def admin_app(state: RouterState) -> Starlette:
                         "load_source": "engine" if ep.fresh_engine(now) else "router",
                         "generation": ep.generation,
                         "cached_blocks": ep.cached_blocks,
+                        # Precise matching: the blocks named by their token ids (null
+                        # when the engine's events carry none) and their size.
+                        "token_blocks": len(ep.token_blocks)
+                        if ep.token_blocks is not None
+                        else None,
+                        "token_block_size": ep.token_block_size or None,
                         "prefix_blocks": state.balancer.remembered(ep.id),
                     }
                     for ep in current.endpoints
+                ],
+            }
+        )
+
+    tokenizers: dict[str, PromptTokenizer] = {}
+
+    async def match(request: Request) -> Response:
+        """Precise matching, explained: for a chat or completion request body, the prompt's
+        tokens as this router counts them and, per endpoint of its model, how many of its
+        leading blocks that endpoint's engine reports cached."""
+        try:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.DecodeError as err:
+            return JSONResponse({"error": f"the body is not JSON: {err}"}, status_code=400)
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return JSONResponse({"error": "the body needs a `model` string"}, status_code=400)
+        model = body["model"]
+        folder = state.config.cache_aware.tokenizers.get(model)
+        if folder is None:
+            return JSONResponse(
+                {"error": f"no tokenizer for {model!r} in cache_aware.tokenizers"},
+                status_code=404,
+            )
+        tokenizer = tokenizers.get(model)
+        if tokenizer is None:
+            tokenizer = tokenizers[model] = PromptTokenizer(Path(folder))
+        if "messages" in body:
+            tokens = tokenizer.chat(body["messages"])
+        else:
+            tokens = tokenizer.completion(body.get("prompt"))
+        if tokens is None:
+            return JSONResponse({"model": model, "prompt_tokens": None, "endpoints": []})
+        blocks = PromptBlocks(tokens, state.config.cache_aware.max_blocks)
+        return JSONResponse(
+            {
+                "model": model,
+                "prompt_tokens": len(tokens),
+                "endpoints": [
+                    {
+                        "id": ep.id,
+                        "token_block_size": ep.token_block_size or None,
+                        "prompt_blocks": len(blocks.hashes(ep.token_block_size))
+                        if ep.token_block_size
+                        else None,
+                        "cached_blocks": blocks.cached(ep.token_blocks, ep.token_block_size),
+                    }
+                    for ep in state.endpoints.for_model(model) or ()
                 ],
             }
         )
@@ -139,5 +198,6 @@ def admin_app(state: RouterState) -> Starlette:
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/v1/endpoints", endpoints),
+            Route("/v1/match", match, methods=["POST"]),
         ]
     )

@@ -44,12 +44,16 @@ C = TypeVar("C", bound=Candidate)
 
 
 class Balancer(Generic[C]):
+    """``cached``, with precise matching: per candidate, how many leading token blocks of
+    the request's prompt its engine reports cached, -1 where the engine reports none."""
+
     def pick(
         self,
         candidates: Sequence[C],
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
+        cached: Callable[[C], int] | None = None,
     ) -> C | None:
         raise NotImplementedError
 
@@ -101,6 +105,7 @@ class LeastOutstanding(Balancer[C]):
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
+        cached: Callable[[C], int] | None = None,
     ) -> C | None:
         return least_outstanding([c for c in candidates if usable(c)], self.rng)
 
@@ -117,6 +122,7 @@ class RoundRobin(Balancer[C]):
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
+        cached: Callable[[C], int] | None = None,
     ) -> C | None:
         ready = [c for c in candidates if usable(c)]
         if not ready:
@@ -158,6 +164,7 @@ class SessionAffinity(Balancer[C]):
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
+        cached: Callable[[C], int] | None = None,
     ) -> C | None:
         if key:
             owner = rendezvous_owner(candidates, key)
@@ -290,6 +297,8 @@ class CacheAware(Balancer[L]):
         self._turn = 0
         self._recent: deque[int] = deque()
         self._recent_counts: dict[int, int] = {}
+        # Picks where the engines' reported caches named the holders (precise matching).
+        self.engine_cache_picks = 0
 
     # -------------------------------------------------------------- prefix state
 
@@ -400,6 +409,7 @@ class CacheAware(Balancer[L]):
         usable: Callable[[L], bool],
         key: str | None,
         prefix: Sequence[int] = (),
+        cached: Callable[[L], int] | None = None,
     ) -> L | None:
         ready = [c for c in candidates if usable(c)]
         if not ready:
@@ -407,7 +417,7 @@ class CacheAware(Balancer[L]):
         if len(ready) == 1:
             chosen = ready[0]
         elif prefix:
-            chosen = ready[self._pick_prefix(ready, prefix)]
+            chosen = ready[self._pick_prefix(ready, prefix, cached)]
         else:
             per_load = [c.load / max(1, c.weight) for c in ready]
             least = min(per_load)
@@ -417,7 +427,22 @@ class CacheAware(Balancer[L]):
         self._record(chosen, prefix)
         return chosen
 
-    def _pick_prefix(self, ready: Sequence[L], prefix: Sequence[int]) -> int:
+    @staticmethod
+    def _engine_matches(ready: Sequence[L], cached: Callable[[L], int]) -> list[int] | None:
+        """Per candidate, its engine's cached blocks of the prompt beyond what every
+        reporting engine holds (a shared head, the chat template's, makes no holder);
+        None when no engine reports its cache or none holds more than the rest."""
+        reported = [cached(c) for c in ready]
+        views = [m for m in reported if m >= 0]
+        if not views:
+            return None
+        floor = min(views) if len(views) == len(reported) else 0
+        out = [max(0, m - floor) for m in reported]
+        return out if any(out) else None
+
+    def _pick_prefix(
+        self, ready: Sequence[L], prefix: Sequence[int], cached: Callable[[L], int] | None = None
+    ) -> int:
         n = len(ready)
         loads = [c.load for c in ready]
         weights = [max(1, c.weight) for c in ready]
@@ -426,7 +451,12 @@ class CacheAware(Balancer[L]):
         block = prefix[depth - 1]
         self._turn += 1
         order = self._rendezvous(ready, block)
-        match = self._matches(ready, prefix, depth)
+        # Precise: where the engines report their caches and one holds more of this
+        # prompt than the others, that is what holds it; else what this router sent.
+        engine = self._engine_matches(ready, cached) if cached is not None else None
+        if engine is not None:
+            self.engine_cache_picks += 1
+        match = engine if engine is not None else self._matches(ready, prefix, depth)
         # Holders: the longer match first, equals in rendezvous order (sort is stable).
         holders = sorted((i for i in order if match[i]), key=lambda i: -match[i])
         need = min(n, math.ceil(self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
@@ -451,12 +481,17 @@ class CacheAware(Balancer[L]):
                 if self._mostly_distinct():
                     rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
                 ranking = rest
-            elif not match[order[0]] and per_load[order[0]] <= per_load[holders[0]]:
+            elif (
+                engine is None
+                and not match[order[0]]
+                and per_load[order[0]] <= per_load[holders[0]]
+            ):
                 # Held elsewhere but not at its first rendezvous choice (it went to the
                 # second when home was over the bound, or another router sent it
                 # there): home again once home is no more loaded than the holder. Every
                 # router of a fleet then converges on one home for the prefix, and the
-                # copies elsewhere age out of those caches.
+                # copies elsewhere age out of those caches. (Where the engines report
+                # their caches, every router sees the same holder: it stays there.)
                 ranking = [order[0], *holders, *(i for i in rest if i != order[0])]
             else:
                 ranking = holders + rest

@@ -16,6 +16,8 @@ from llmgw_proto.addr import HostPort, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 from llmgw_proto.tls import TlsConfig
 
+from llmgw_router.tokens import PromptTokenizer, TokenizerError
+
 __all__ = [
     "AffinityConfig",
     "CacheAwareConfig",
@@ -110,6 +112,7 @@ class CacheAwareConfig(BaseConfig):
 
     # The prompt (chat messages in order, or the completion prompt) is cut into blocks
     # of this many bytes of the request's JSON; a block is the unit of prefix matching.
+    # (For a model in `tokenizers`: of block_bytes / 4 of its tokens.)
     block_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
     # Rendezvous hashing places a request by its first this-many blocks, so routers
     # agree on a prefix's endpoint without talking.
@@ -129,6 +132,11 @@ class CacheAwareConfig(BaseConfig):
     window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
     # Prefix blocks remembered per endpoint of what this router sent (LRU).
     index_blocks: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 16384
+    # Precise matching: served model name -> the folder of its tokenizer files (what the
+    # engine loads: tokenizer.json, tokenizer_config.json). The router then tokenizes that
+    # model's prompts as the engine does and matches them against the blocks the engines
+    # report cached (KV events). Needs the `precise` extra.
+    tokenizers: dict[str, str] = {}
 
 
 class LoadReportsConfig(BaseConfig):
@@ -304,6 +312,15 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
         control.tls.check(source, "$.control.tls")
         if control.backoff_cap < control.backoff_base or control.backoff_base <= 0:
             raise ConfigError(source, "need 0 < backoff_base <= backoff_cap", "$.control")
+    for model, folder in cfg.cache_aware.tokenizers.items():
+        where = f"$.cache_aware.tokenizers[{model!r}]"
+        if not Path(folder).is_dir():
+            why = "not a directory" if Path(folder).exists() else "no such directory"
+            raise ConfigError(source, f"{why}: {folder}", where)
+        try:
+            PromptTokenizer(Path(folder))
+        except TokenizerError as err:
+            raise ConfigError(source, str(err), where) from None
     if cfg.api_keys_file:
         path = Path(cfg.api_keys_file)
         if not path.is_file():

@@ -74,8 +74,11 @@ class Endpoint:
     sent_since_report: int = 0
     finished_since_report: int = 0
     _events: deque[tuple[float, int]] = field(default_factory=deque)
-    # From the engine's KV-cache events (EndpointCache): blocks it holds now.
+    # From the engine's KV-cache events (EndpointCache): blocks it holds now, and when
+    # the agent names them by their token ids (token_blocks), which ones and their size.
     cached_blocks: int = 0
+    token_blocks: set[int] | None = None
+    token_block_size: int = 0
     # The newest engine generation heard of, from the snapshot or a load report.
     engine_generation: int = 0
 

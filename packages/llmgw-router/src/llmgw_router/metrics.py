@@ -280,6 +280,11 @@ class Metrics:
             "Load updates received from the control plane.",
             registry=r,
         )
+        self.prompts_tokenized = Counter(
+            "llmgw_router_prompts_tokenized",
+            "Prompts tokenized for precise prefix matching (cache_aware.tokenizers).",
+            registry=r,
+        )
         self.held = Gauge(
             "llmgw_router_held_requests",
             "Requests held for a model scaled to zero, by model.",

@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -48,6 +49,7 @@ from llmgw_router.hold import Holds
 from llmgw_router.prefix import prefix_blocks
 from llmgw_router.retry import RetryPolicy, Verdict, after_failure, retry_tiers
 from llmgw_router.state import RouterState, now
+from llmgw_router.tokens import PromptBlocks, PromptTokenizer
 from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
 
 __all__ = ["Incoming", "ProxyApp", "Reply", "RequestContext", "RouterState"]
@@ -185,8 +187,9 @@ class RequestContext:
     deadline: float
     # session_affinity's key: the affinity header, else the body's `user`.
     affinity_key: str | None = None
-    # cache_aware's prompt prefix blocks.
+    # cache_aware's prompt prefix blocks, and with precise matching its token blocks.
     prefix: tuple[int, ...] = ()
+    tokens: PromptBlocks | None = None
     tried: list[Endpoint] = field(default_factory=list)
     refused: set[str] = field(default_factory=set)
     retries: int = 0
@@ -268,6 +271,16 @@ class ProxyApp:
         self._cache_aware = config.balancer == "cache_aware"
         self._block_bytes = config.cache_aware.block_bytes
         self._max_blocks = config.cache_aware.max_blocks
+        # Precise matching: the tokenizers named by cache_aware.tokenizers (the config
+        # check loaded each once already, so these load).
+        self._tokenizers = (
+            {
+                model: PromptTokenizer(Path(folder))
+                for model, folder in config.cache_aware.tokenizers.items()
+            }
+            if self._cache_aware
+            else {}
+        )
         self.holds = Holds(state)
 
     async def serve_request(self, request: Incoming) -> None:
@@ -594,7 +607,29 @@ class ProxyApp:
             prompt = head.messages or head.prompt
             if prompt:
                 ctx.prefix = prefix_blocks(bytes(prompt), self._block_bytes, self._max_blocks)
+                tokenizer = self._tokenizers.get(model)
+                if tokenizer is not None:
+                    ctx.tokens = self._prompt_tokens(tokenizer, head)
+                    if ctx.tokens is not None:
+                        # Blocks of block_bytes / 4 tokens (about as much prompt).
+                        ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
         return ctx
+
+    def _prompt_tokens(
+        self, tokenizer: PromptTokenizer, head: _RequestHeadWithPrompt
+    ) -> PromptBlocks | None:
+        """The prompt as the engine tokenizes it; None when not known here."""
+        try:
+            if head.messages:
+                tokens = tokenizer.chat(msgspec.json.decode(head.messages))
+            else:
+                tokens = tokenizer.completion(msgspec.json.decode(head.prompt))
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        if not tokens:
+            return None
+        self.state.metrics.prompts_tokenized.inc()
+        return PromptBlocks(tokens, self._max_blocks)
 
     async def _run(self, ctx: RequestContext, reply: Reply, outcome: _Outcome) -> None:
         state = self.state
@@ -628,6 +663,12 @@ class ProxyApp:
         state = self.state
         balancer = state.balancer
         at = now()
+        tokens = ctx.tokens
+        cached = (
+            (lambda ep: tokens.cached(ep.token_blocks, ep.token_block_size))
+            if tokens is not None
+            else None
+        )
         if not ctx.tried:
             tiers = [list(ctx.candidates)]
         else:
@@ -636,7 +677,9 @@ class ProxyApp:
         for tier in tiers:
             if not tier:
                 continue
-            ep = balancer.pick(tier, state.usable_among(tier, at), ctx.affinity_key, ctx.prefix)
+            ep = balancer.pick(
+                tier, state.usable_among(tier, at), ctx.affinity_key, ctx.prefix, cached
+            )
             if ep is not None:
                 # Charged at pick time: a burst between two load reports spreads.
                 ep.sent(at)

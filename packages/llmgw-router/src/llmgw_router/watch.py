@@ -35,12 +35,19 @@ from grpclib.exceptions import GRPCError
 from llmgw_proto.addr import HostPort, format_hostport, parse_hostport
 from llmgw_proto.backoff import Backoff
 from llmgw_proto.tls import CertReloader, client_context
-from llmgw_proto.v1 import DemandReply, DemandRequest, EndpointSnapshot, LoadUpdate, WatchRequest
+from llmgw_proto.v1 import (
+    DemandReply,
+    DemandRequest,
+    EndpointCache,
+    EndpointSnapshot,
+    LoadUpdate,
+    WatchRequest,
+)
 from llmgw_proto.v1 import Endpoint as WireEndpoint
 from llmgw_proto.v1 import EndpointLoad as WireLoad
 
 from llmgw_router.config import ControlConfig
-from llmgw_router.endpoints import EndpointSpec, EngineLoad
+from llmgw_router.endpoints import Endpoint, EndpointSpec, EngineLoad
 from llmgw_router.state import RouterState, now
 
 __all__ = ["EndpointWatcher", "LeaderRedirect", "control_ssl", "load_from_wire", "spec_from_wire"]
@@ -345,9 +352,7 @@ class EndpointWatcher:
             ep = by_id.get(cache.endpoint_id)
             if ep is None:
                 continue
-            if cache.cleared or (cache.generation and cache.generation != ep.generation):
-                ep.cached_blocks = 0
-            ep.cached_blocks = max(0, ep.cached_blocks + len(cache.stored) - len(cache.removed))
+            apply_cache(ep, cache)
 
     async def _demand_loop(self, channel: Channel) -> None:
         """While requests are held, say so: at once, then every `hold.demand_interval`."""
@@ -422,3 +427,31 @@ class EndpointWatcher:
                 version=self.state.endpoints.version,
             )
             await asyncio.sleep(delay)
+
+
+# Token blocks kept per endpoint at most (the control plane relays up to 200,000).
+MAX_TOKEN_BLOCKS = 1_000_000
+
+
+def apply_cache(ep: Endpoint, cache: EndpointCache) -> None:
+    """One engine's cache change: its block count, and its blocks when named by token ids.
+
+    A clear starts a view (empty: the agent's first word on a new engine is a clear with
+    nothing in it yet); blocks stored under the engine's own hashes end it (None: the
+    engine's events carry no token ids, nothing to match a prompt against)."""
+    if cache.cleared or (cache.generation and cache.generation != ep.generation):
+        ep.cached_blocks = 0
+        ep.token_blocks = set()
+    ep.cached_blocks = max(0, ep.cached_blocks + len(cache.stored) - len(cache.removed))
+    if cache.stored and not cache.token_hashes:
+        ep.token_blocks = None
+        return
+    blocks = ep.token_blocks
+    if blocks is None:
+        return
+    if cache.block_size:
+        ep.token_block_size = cache.block_size
+    blocks.difference_update(cache.removed)
+    blocks.update(cache.stored)
+    if len(blocks) > MAX_TOKEN_BLOCKS:
+        ep.token_blocks = None

@@ -633,6 +633,9 @@ class Supervisor:
                 # Each worker's own view, in worker order (they agree but for moments).
                 ep["state_by_worker"] = states.get(ep["id"], [])
             merged["workers"] = len(results)
+            merged["engine_cache_picks"] = sum(
+                msgspec.json.decode(body).get("engine_cache_picks", 0) for _, _, body, _ in results
+            )
             return web.json_response(merged)
 
         async def workers(request: web.Request) -> web.Response:
@@ -662,7 +665,29 @@ class Supervisor:
                         )
             return web.json_response({"error": "no worker answered"}, status=503)
 
+        async def match(request: web.Request) -> web.Response:
+            # Precise matching explained (POST /v1/match): any one worker's answer; they
+            # hear the same engine caches.
+            import aiohttp
+
+            body = await request.read()
+            for slot in self.slots:
+                if slot.up and slot.proc is not None:
+                    with contextlib.suppress(Exception):
+                        async with self._session(slot).post(
+                            "http://worker/v1/match",
+                            data=body,
+                            timeout=aiohttp.ClientTimeout(total=5.0),
+                        ) as resp:
+                            return web.Response(
+                                status=resp.status,
+                                body=await resp.read(),
+                                headers={"content-type": resp.headers.get("content-type", "")},
+                            )
+            return web.json_response({"error": "no worker answered"}, status=503)
+
         app = web.Application()
+        app.router.add_post("/v1/match", match)
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)

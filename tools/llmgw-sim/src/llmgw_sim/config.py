@@ -53,6 +53,10 @@ class EngineConfig:
     kv_tokens: int = 131072
     # --kv-events-config as given (vLLM, SGLang).
     kv_events_config: str | None = None
+    # vLLM --tokenizer: a Hugging Face tokenizer folder. Prompts are then that tokenizer's
+    # token ids (chat rendered by its template as llmgw-router renders it, which the
+    # real-vLLM tests hold to vLLM's own), and KV events carry them.
+    tokenizer: str | None = None
     request_id_headers: bool = False
     # LoRA adapters served next to the base model: name -> path.
     lora_modules: dict[str, str] = field(default_factory=dict)
@@ -163,6 +167,7 @@ def from_args(
             # vLLM 0.32's online-serving defaults on an H100-class GPU.
             max_num_batched_tokens=getattr(ns, "max_num_batched_tokens", None) or 8192,
             kv_events_config=getattr(ns, "kv_events_config", None),
+            tokenizer=getattr(ns, "tokenizer", None),
             kv_tokens=kv_tokens(
                 knobs,
                 block,

@@ -162,6 +162,7 @@ TYPED: dict[EngineKind, tuple[Typed, ...]] = {
         _t("--num-gpu-blocks-override", INT),
         _t("--kv-cache-memory-bytes", HINT),
         _t("--kv-events-config", STR),
+        _t("--tokenizer", STR),
         _t("--tensor-parallel-size", INT, 1),
         _t("--pipeline-parallel-size", INT, 1),
         _t("--data-parallel-size", INT, 1),

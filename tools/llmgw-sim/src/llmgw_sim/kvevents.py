@@ -9,14 +9,16 @@ tagged by ``type`` as vLLM encodes them: ``BlockStored`` (``block_hashes``,
 ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``,
 ``lora_name``) and ``BlockRemoved`` (``block_hashes``, ``medium``). Block hashes are the
 scheduler's signed 64-bit integers, as vLLM sends them with
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``; ``token_ids`` is empty (the simulator's
-tokens have no ids of a real vocabulary).
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``; ``token_ids`` is each block's token ids when
+``--tokenizer`` gives the simulator a real tokenizer, else empty (its own crude tokens
+have no ids of a real vocabulary).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,16 +57,16 @@ def parse_config(raw: str | None) -> KvEventsConfig | None:
 
 
 def events(
-    stored: list[tuple[int, int | None]], removed: list[int], block_size: int
+    stored: Sequence[tuple[int, int | None, Sequence[int]]], removed: list[int], block_size: int
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for h, parent in stored:
+    for h, parent, token_ids in stored:
         out.append(
             {
                 "type": "BlockStored",
                 "block_hashes": [h],
                 "parent_block_hash": parent,
-                "token_ids": [],
+                "token_ids": list(token_ids),
                 "block_size": block_size,
                 "lora_id": None,
                 "medium": "GPU",

@@ -320,7 +320,10 @@ class Lifecycle:
         # Imported here so that argument errors answer before the server code loads.
         from llmgw_sim.server import Engine, build_app
 
-        engine = Engine(cfg, self.crash)
+        try:
+            engine = Engine(cfg, self.crash)
+        except StartupError as err:
+            return self.fail(err)
         if cfg.kind != "vllm" and sock is not None:
             # SGLang and llama.cpp answer /health with 503 while loading.
             health_only = cfg.kind == "sglang" and cfg.node_rank > 0

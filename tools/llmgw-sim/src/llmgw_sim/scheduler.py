@@ -84,6 +84,7 @@ class KVCache:
         self.stored: list[int] = []
         self.removed: list[int] = []
         self.parents: dict[int, int | None] = {}
+        self.tokens: dict[int, Sequence[int]] = {}
 
     # ----- accounting --------------------------------------------------------
 
@@ -145,7 +146,13 @@ class KVCache:
             return _Block()
         return None
 
-    def register(self, block: _Block, h: int, parent: int | None = None) -> None:
+    def register(
+        self,
+        block: _Block,
+        h: int,
+        parent: int | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
         """A full block's tokens are computed: cache it under its hash (unless cached already)."""
         if not self.prefix_caching or block.hash is not None or h in self._cached:
             return
@@ -153,6 +160,8 @@ class KVCache:
         self._cached[h] = block
         self.stored.append(h)
         self.parents[h] = parent
+        if tokens is not None:
+            self.tokens[h] = tokens
 
     def release(self, blocks: Sequence[_Block]) -> None:
         """Drop a sequence's references; tail blocks become the first to be evicted."""
@@ -169,14 +178,18 @@ class KVCache:
         stored, removed = self.stored, self.removed
         self.stored, self.removed = [], []
         self.parents = {h: self.parents[h] for h in self.stored}
+        self.tokens = {h: self.tokens[h] for h in self.stored if h in self.tokens}
         return stored, removed
 
-    def drain_blocks(self) -> tuple[list[tuple[int, int | None]], list[int]]:
-        """(stored block hash and its parent's, removed hashes) since the last drain."""
-        parents = self.parents
+    def drain_blocks(
+        self,
+    ) -> tuple[list[tuple[int, int | None, Sequence[int]]], list[int]]:
+        """(stored block hash, its parent's and its token ids (empty when not a real
+        tokenizer's), removed hashes) since the last drain."""
+        parents, tokens = self.parents, self.tokens
         stored, removed = self.drain_events()
-        self.parents = {}
-        return [(h, parents.get(h)) for h in stored], removed
+        self.parents, self.tokens = {}, {}
+        return [(h, parents.get(h), tokens.get(h, ())) for h in stored], removed
 
 
 @dataclass
@@ -194,6 +207,9 @@ class Seq:
     admitted: bool = False
     cached_tokens: int = 0  # prefix hit at its first admission
     preemptions: int = 0
+    # The prompt's token ids when they are a real tokenizer's (--tokenizer): the KV
+    # events carry each stored block's, as vLLM's do.
+    token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         self.target = self.prompt_len
@@ -400,7 +416,13 @@ class Scheduler:
             full = min(seq.computed, seq.prompt_len) // bs
             for b in range(before // bs, min(full, len(seq.hashes))):
                 parent = seq.hashes[b - 1] if b else None
-                self.cache.register(seq.blocks[b], seq.hashes[b], parent)
+                ids = seq.token_ids
+                self.cache.register(
+                    seq.blocks[b],
+                    seq.hashes[b],
+                    parent,
+                    ids[b * bs : (b + 1) * bs] if ids is not None else None,
+                )
             if seq.prefilling:
                 continue  # more prompt chunks to go: nothing sampled yet
             first = seq.generated == 0

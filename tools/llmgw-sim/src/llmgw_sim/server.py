@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import math
 import os
@@ -11,12 +12,13 @@ import random
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
 from llmgw_sim import kvevents, metrics
-from llmgw_sim.config import EngineConfig
+from llmgw_sim.config import EngineConfig, StartupError
 from llmgw_sim.driver import StepDriver, Waiter
 from llmgw_sim.httpserver import Request, Response, Stream
 from llmgw_sim.knobs import FAILURE_TYPES
@@ -41,6 +43,9 @@ from llmgw_sim.protocol import (
     parse_tokenize,
 )
 from llmgw_sim.scheduler import Scheduler, SchedulerConfig, Seq, StepCosts, StepPlan, block_hashes
+
+if TYPE_CHECKING:
+    from llmgw_router.tokens import PromptTokenizer
 
 
 class _Named(Protocol):
@@ -97,6 +102,7 @@ class Engine:
             knobs.time_factor_under_load,
         )
         self._jitter_rng = random.Random(knobs.seed + 1)
+        self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         kv = config.kv_tokens
         capacity_blocks = max(1, kv // config.block_size)
         self.cache = PrefixCache(config.block_size, capacity_blocks, enabled=config.prefix_caching)
@@ -690,10 +696,28 @@ class Api:
     # ----- generation -------------------------------------------------------
 
     async def chat(self, request: Request) -> Response | Stream:
-        return await self._generate(request, parse_chat)
+        return await self._generate(request, self._parse_chat)
 
     async def completions(self, request: Request) -> Response | Stream:
-        return await self._generate(request, parse_completion)
+        return await self._generate(request, self._parse_completion)
+
+    def _parse_chat(self, body: dict[str, Any]) -> Generation:
+        gen = parse_chat(body)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is not None:
+            ids = tokenizer.chat(body.get("messages"))
+            if ids:
+                gen = dataclasses.replace(gen, prompt_ids=ids)
+        return gen
+
+    def _parse_completion(self, body: dict[str, Any]) -> Generation:
+        gen = parse_completion(body)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is not None and gen.prompt_ids is None:
+            ids = tokenizer.completion(gen.prompt_text)
+            if ids:
+                gen = dataclasses.replace(gen, prompt_ids=ids)
+        return gen
 
     async def _generate(
         self, request: Request, parse: Callable[[dict[str, Any]], Generation]
@@ -865,7 +889,10 @@ class Api:
             if eng.config.prefix_caching
             else []
         )
-        waiter = driver.submit(Seq(rid, prompt_len, count, hashes), stream=gen.stream)
+        ids = gen.prompt_ids if eng.tokenizer is not None else None
+        waiter = driver.submit(
+            Seq(rid, prompt_len, count, hashes, token_ids=ids), stream=gen.stream
+        )
         try:
             while waiter.first_at is None and not waiter.done:
                 waiter.event.clear()
@@ -1159,3 +1186,17 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
         return not_found
 
     return handle
+
+
+def _load_tokenizer(folder: str) -> PromptTokenizer:
+    """--tokenizer's folder, rendered and encoded as llmgw-router does (its `precise` extra)."""
+    try:
+        from llmgw_router.tokens import PromptTokenizer, TokenizerError
+    except ImportError:
+        raise StartupError(
+            "ImportError", "--tokenizer needs llmgw-router[precise] installed"
+        ) from None
+    try:
+        return PromptTokenizer(Path(folder))
+    except TokenizerError as err:
+        raise StartupError("OSError", f"--tokenizer {folder}: {err}") from None

@@ -236,6 +236,13 @@ class CacheEvents(betterproto2.Message):
 
     generation: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
 
+    token_hashes: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
+    """
+    The hashes are llmgw_proto.token_blocks' of the blocks' token ids (the engine's
+    events carried them), not the engine's own: a router that tokenizes a prompt as
+    the engine does computes the same ones.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "CacheEvents", CacheEvents)
 
@@ -409,6 +416,11 @@ class EndpointCache(betterproto2.Message):
     block_size: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
 
     generation: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+    token_hashes: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
+    """
+    As CacheEvents.token_hashes: the hashes are of token ids (llmgw_proto.token_blocks).
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "EndpointCache", EndpointCache)

@@ -1,0 +1,232 @@
+"""Precise prefix matching: prompts tokenized as the engine does, matched against the
+blocks the engines report cached (named by llmgw_proto.token_blocks)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_proto.config import ConfigError, load
+from llmgw_proto.token_blocks import token_block_hashes
+from llmgw_proto.v1 import EndpointCache
+from llmgw_router.balancers import CacheAware
+from llmgw_router.config import RouterConfig, validate
+from llmgw_router.endpoints import Endpoint, EndpointSpec
+from llmgw_router.tokens import PromptBlocks, PromptTokenizer
+from llmgw_router.watch import apply_cache
+from tokenizers import Tokenizer, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+
+WORDS = ["<bos>", "<unk>", "<turn>", "<end>", "user", "model", "hello", "there", "a", "b", "c"]
+TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
+    "{% endfor %}{% if add_generation_prompt %}<turn> model {% endif %}"
+)
+
+
+def write_tokenizer(folder: Path, template: str | None = TEMPLATE) -> Path:
+    """A word-level tokenizer folder in the Hugging Face layout, with a BOS post-processor."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 0)]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    config: dict[str, object] = {"bos_token": "<bos>", "eos_token": {"content": "<end>"}}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def ids(text: str) -> list[int]:
+    return [WORDS.index(w) for w in text.split()]
+
+
+def test_chat_is_rendered_by_the_template_and_encoded_without_adding_specials(
+    tmp_path: Path,
+) -> None:
+    tok = PromptTokenizer(write_tokenizer(tmp_path / "t"))
+    messages = [{"role": "user", "content": "hello there"}]
+    # The template writes the BOS itself; the tokenizer adds none on top.
+    assert tok.chat(messages) == ids("<bos> <turn> user hello there <end> <turn> model")
+    # Text parts are joined by newlines (whitespace to this tokenizer), as vLLM does.
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}],
+        }
+    ]
+    assert tok.chat(parts) == tok.chat(messages)
+    # An image part, or something that is not a list of messages: not known here.
+    assert tok.chat([{"role": "user", "content": [{"type": "image_url"}]}]) is None
+    assert tok.chat("hello") is None
+    assert tok.chat([1, 2]) is None
+
+
+def test_completion_adds_the_tokenizers_specials_and_takes_token_lists_as_given(
+    tmp_path: Path,
+) -> None:
+    tok = PromptTokenizer(write_tokenizer(tmp_path / "t"))
+    assert tok.completion("a b c") == ids("<bos> a b c")
+    assert tok.completion([5, 6, 7]) == [5, 6, 7]
+    assert tok.completion(["a", "b"]) is None
+    assert tok.completion([True]) is None
+
+
+def test_a_template_error_makes_the_prompt_unknown_and_no_template_means_no_chat(
+    tmp_path: Path,
+) -> None:
+    raising = "{{ raise_exception('no system role') }}"
+    tok = PromptTokenizer(write_tokenizer(tmp_path / "r", raising))
+    assert tok.chat([{"role": "user", "content": "a"}]) is None
+    plain = PromptTokenizer(write_tokenizer(tmp_path / "p", None))
+    assert not plain.has_chat_template
+    assert plain.chat([{"role": "user", "content": "a"}]) is None
+    assert plain.completion("a") == ids("<bos> a")
+
+
+def test_prompt_blocks_count_the_leading_blocks_an_engine_holds() -> None:
+    tokens = list(range(40))
+    blocks = PromptBlocks(tokens, max_blocks=256)
+    hashes = token_block_hashes(tokens, 8)
+    assert blocks.hashes(8) == hashes  # 5 full blocks
+    assert blocks.cached(None, 8) == -1
+    assert blocks.cached(set(), 8) == 0
+    assert blocks.cached(set(hashes[:3]), 8) == 3
+    # A hole ends the match: the engine would prefill from there.
+    assert blocks.cached({hashes[0], hashes[2]}, 8) == 1
+    assert PromptBlocks(tokens, max_blocks=2).cached(set(hashes), 8) == 2
+
+
+def _config(tmp_path: Path, body: str) -> RouterConfig:
+    path = tmp_path / "router.yaml"
+    path.write_text(body)
+    return validate(load(path, RouterConfig), str(path))
+
+
+def test_the_config_names_a_tokenizer_folder_that_is_missing_or_unusable(tmp_path: Path) -> None:
+    good = write_tokenizer(tmp_path / "good")
+    cfg = _config(tmp_path, f"cache_aware:\n  tokenizers:\n    m: {good}\n")
+    assert cfg.cache_aware.tokenizers == {"m": str(good)}
+    with pytest.raises(ConfigError) as missing:
+        _config(tmp_path, f"cache_aware:\n  tokenizers:\n    m: {tmp_path / 'nope'}\n")
+    assert "$.cache_aware.tokenizers['m']" in str(missing.value)
+    assert "no such directory" in str(missing.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError) as unusable:
+        _config(tmp_path, f"cache_aware:\n  tokenizers:\n    m: {empty}\n")
+    assert "no tokenizer.json in" in str(unusable.value)
+    (empty / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError) as broken:
+        _config(tmp_path, f"cache_aware:\n  tokenizers:\n    m: {empty}\n")
+    assert "is not a tokenizers file" in str(broken.value)
+
+
+def _endpoint(ident: str) -> Endpoint:
+    return Endpoint(EndpointSpec(id=ident, url=f"http://{ident}", models=("m",)))
+
+
+def test_an_endpoints_token_blocks_follow_its_engines_cache_events() -> None:
+    ep = _endpoint("e")
+    # Engine hashes (no token ids): counted, not matched.
+    apply_cache(ep, EndpointCache(endpoint_id="e", stored=[1, 2], cleared=True, block_size=16))
+    assert ep.cached_blocks == 2
+    assert ep.token_blocks is None
+    # A new engine: the agent's first word is an empty clear, then its blocks by token ids.
+    apply_cache(ep, EndpointCache(endpoint_id="e", cleared=True))
+    assert ep.token_blocks == set()
+    apply_cache(
+        ep, EndpointCache(endpoint_id="e", stored=[5, 6, 7], block_size=16, token_hashes=True)
+    )
+    assert ep.token_blocks == {5, 6, 7}
+    assert ep.token_block_size == 16
+    apply_cache(
+        ep,
+        EndpointCache(endpoint_id="e", stored=[8], removed=[5], block_size=16, token_hashes=True),
+    )
+    assert ep.token_blocks == {6, 7, 8}
+    assert ep.cached_blocks == 3
+    # A restarted engine (its generation) forgets everything.
+    apply_cache(
+        ep,
+        EndpointCache(endpoint_id="e", stored=[9], block_size=16, token_hashes=True, generation=7),
+    )
+    assert ep.token_blocks == {9}
+    assert ep.cached_blocks == 1
+
+
+@dataclass
+class Cand:
+    id: str
+    weight: int = 1
+    outstanding: int = 0
+    load: float = 0.0
+    awaiting_first: int = 0
+    generation: int = 0
+
+
+def test_the_engine_that_holds_the_prompt_takes_it_whatever_the_router_sent() -> None:
+    bal: CacheAware[Cand] = CacheAware(rng=random.Random(1))
+    cands = [Cand("a"), Cand("b"), Cand("c")]
+    prefix = (11, 12, 13)
+    home = bal.ranking(cands, prefix)[0]
+    other = next(c for c in cands if c is not home)
+    # This router never sent the prompt anywhere, but `other`'s engine reports it cached
+    # (another router sent it, or this one restarted): it goes there.
+    held = {other.id: 6, home.id: 1}
+    got = bal.pick(cands, lambda c: True, None, prefix, lambda c: held.get(c.id, 1))
+    assert got is other
+    assert bal.engine_cache_picks == 1
+    # What every engine holds (the chat template's head) makes no holder: home.
+    fresh: CacheAware[Cand] = CacheAware(rng=random.Random(1))
+    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: 2) is home
+    assert fresh.engine_cache_picks == 0
+    # No engine reports its cache (-1): the router's own history decides, as before.
+    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: -1) is home
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 12), min_size=2, max_size=6),
+    held=st.lists(st.integers(-1, 8), min_size=6, max_size=6),
+    prefix=st.lists(st.integers(0, 2**40), min_size=1, max_size=4),
+)
+def test_bounded_load_holds_with_the_engines_caches(
+    loads: list[int], held: list[int], prefix: list[int]
+) -> None:
+    """However the engines' caches point, the pick stays within the bound whenever some
+    endpoint is, and a holder of the longest match within the bound is preferred to none."""
+    bal: CacheAware[Cand] = CacheAware(rng=random.Random(0))
+    cands = [Cand(f"e{i}", load=float(x), outstanding=x) for i, x in enumerate(loads)]
+    by_id = {c.id: held[i] for i, c in enumerate(cands)}
+    got = bal.pick(cands, lambda c: True, None, tuple(prefix), lambda c: by_id[c.id])
+    assert got is not None
+    total = sum(c.load for c in cands)
+    n = len(cands)
+    within = [c for c in cands if bal.within(c.load, total, 1, n, n)]
+    if within:
+        assert got in within
+
+
+def test_with_a_tokenizer_the_prefix_is_the_same_for_any_json_spacing(tmp_path: Path) -> None:
+    """Clients serialise one conversation differently (spacing, key order); the router's
+    byte blocks differ, its token blocks do not."""
+    tok = PromptTokenizer(write_tokenizer(tmp_path / "t"))
+    compact = [{"role": "user", "content": "hello there " * 20}]
+    reordered = [{"content": "hello there " * 20, "role": "user"}]
+    a = PromptBlocks(tok.chat(compact) or [], max_blocks=256)
+    b = PromptBlocks(tok.chat(reordered) or [], max_blocks=256)
+    assert a.prefix(8) == b.prefix(8)
+    assert len(a.prefix(8)) == len(a.tokens) // 8
+    # Shorter than a block: one partial block, still a prefix to place by.
+    short = PromptBlocks([1, 2, 3], max_blocks=256)
+    assert len(short.prefix(8)) == 1
+    assert short.prefix(8) != PromptBlocks([1, 2, 4], max_blocks=256).prefix(8)
