@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,30 @@ async def test_relay_from_a_real_zmq_publisher() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         pub.close()
+
+
+def test_port_0_leaves_the_kv_events_port_to_the_agent() -> None:
+    from llmgw_agent.adapters import Launch, wants_kv_port, with_kv_port
+
+    raw = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0"}'
+    launch = Launch(
+        argv=["vllm", "serve", "m", "--kv-events-config", raw, "--x"],
+        env={},
+        health_url="",
+        metrics_url="",
+        endpoint_url="",
+        headless=False,
+        kv_events_endpoint="tcp://127.0.0.1:0",
+    )
+    assert wants_kv_port(launch)
+    moved = with_kv_port(launch, 6123)
+    assert not wants_kv_port(moved)
+    assert moved.kv_events_endpoint == "tcp://127.0.0.1:6123"
+    config = json.loads(moved.argv[4])
+    assert config["endpoint"] == "tcp://*:6123"
+    assert config["enable_kv_cache_events"] is True
+    assert moved.argv[5] == "--x"
+    inline = with_kv_port(
+        msgspec.structs.replace(launch, argv=["vllm", f"--kv-events-config={raw}"]), 7000
+    )
+    assert json.loads(inline.argv[1].split("=", 1)[1])["endpoint"] == "tcp://*:7000"

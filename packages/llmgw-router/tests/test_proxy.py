@@ -85,8 +85,12 @@ def test_streaming_with_usage_through_openai_client(
     assert content == [f"t{i} " for i in range(20)]
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 20
-    metrics = router.metrics()
-    assert metric(metrics, TOKENS_M1) == before + 20
+    # Counted when the request ends, just after its last byte reached the client.
+    metrics = wait_for(
+        lambda: (m := router.metrics()) if metric(m, TOKENS_M1) == before + 20 else None,
+        timeout=10,
+        what="the 20 completion tokens counted",
+    )
     assert 'llmgw_router_inter_chunk_gap_seconds_count{model="m1"}' in metrics
 
 

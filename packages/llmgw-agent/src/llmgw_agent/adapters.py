@@ -10,6 +10,7 @@ accepts is not kept here: that comes from the engine's own help
 from __future__ import annotations
 
 import ipaddress
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -331,3 +332,30 @@ def build_launch(
         kv_events_endpoint=kv[0] if kv else "",
         kv_events_topic=kv[1] if kv else "",
     )
+
+
+def wants_kv_port(launch: Launch) -> bool:
+    """Whether the profile's --kv-events-config leaves the port to the agent (``:0``):
+    several engines of one profile on a node each need their own."""
+    return launch.kv_events_endpoint.endswith(":0")
+
+
+def with_kv_port(launch: Launch, port: int) -> Launch:
+    """``launch`` with its KV-events endpoint's port 0 made ``port``, in the engine's
+    --kv-events-config as in what the agent subscribes to."""
+    argv = list(launch.argv)
+    for i, arg in enumerate(argv):
+        prefix = "--kv-events-config="
+        if arg == "--kv-events-config" and i + 1 < len(argv):
+            argv[i + 1] = _kv_config_port(argv[i + 1], port)
+        elif arg.startswith(prefix):
+            argv[i] = prefix + _kv_config_port(arg[len(prefix) :], port)
+    endpoint = launch.kv_events_endpoint[: -len(":0")] + f":{port}"
+    return msgspec.structs.replace(launch, argv=argv, kv_events_endpoint=endpoint)
+
+
+def _kv_config_port(raw: str, port: int) -> str:
+    config = json.loads(raw)
+    endpoint = str(config.get("endpoint") or "tcp://*:0")
+    config["endpoint"] = endpoint.rsplit(":", 1)[0] + f":{port}"
+    return json.dumps(config)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +26,7 @@ from urllib.parse import urlsplit
 import structlog
 from llmgw_proto import v1
 
-from llmgw_agent.adapters import Adapter, Launch, adapter_for
+from llmgw_agent.adapters import Adapter, Launch, adapter_for, wants_kv_port, with_kv_port
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engines import InstalledEngine, load_installed
 from llmgw_agent.health import health_status, running_requests
@@ -329,6 +331,13 @@ class Supervisor:
 
     def _spawn(self, decided: Plan) -> Engine:
         start, launch = decided.start, decided.launch
+        if wants_kv_port(launch):
+            # The profile leaves the KV-events port to the agent: a free one on loopback
+            # for this engine (persisted with the launch, so a re-adoption finds it).
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                launch = with_kv_port(launch, probe.getsockname()[1])
+            decided = dataclasses.replace(decided, launch=launch)
         path = record_path(self.state_dir, start.shard_id)
         logs_dir = self.state_dir / "logs"
         path.parent.mkdir(parents=True, exist_ok=True)
