@@ -59,11 +59,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -79,6 +82,7 @@ from benchlib import cpu_seconds, serving, use_uvloop
 from llmgw_sim.metrics import parse_prometheus
 from llmgw_testkit import free_port, http_get, wait_for
 from llmgw_testkit.cluster import Cluster, vllm_profile
+from llmgw_testkit.tokenizer import write_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -105,12 +109,21 @@ class Shape:
         return self.system + self.user + 8  # + the chat template's tokens
 
 
-LLMGW = ("round_robin", "least_outstanding", "cache_aware")
+LLMGW = ("round_robin", "least_outstanding", "cache_aware", "cache_aware+tokens")
+# cache_aware with precise matching: cache_aware.tokenizers names the engines' tokenizer
+# (--precise: the simulated engines tokenize with a real word-level tokenizer and publish
+# KV events with token ids; the router tokenizes prompts with the same files).
+PRECISE = "cache_aware+tokens"
 PEER_TARGETS = ("sglang-router", "vllm-router")
-WORKLOADS = {"a": "tenants", "b": "unique", "c": "hot", "d": "tenants x4"}
+WORKLOADS = {"a": "tenants", "b": "unique", "c": "hot", "d": "tenants x4", "e": "tenants mixed"}
+TENANT_WORKLOADS = ("tenants", "tenants x4", "tenants mixed")
+# Words of the user turns when a real tokenizer reads them (--precise): in its vocabulary.
+USER_VOCABULARY = 5000
 # --cache-aware-epsilon / --cache-aware-slack: the bounded-load settings given to llmgw's
 # cache_aware (the router's defaults for those not set).
 CACHE_AWARE: dict[str, float] = {}
+# --precise: the tokenizer folder the engines and cache_aware+tokens load.
+TOKENIZER: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,15 @@ class Fleet:
     time_scale: float
     kv_blocks: int
     block_size: int = 16
+    # --precise: the engines' tokenizer folder (and KV events on a port of the agent's).
+    tokenizer: str = ""
+
+    def precise_args(self) -> list[str]:
+        if not self.tokenizer:
+            return []
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0"}
+        return ["--block-size", str(self.block_size), "--tokenizer", self.tokenizer,
+                "--kv-events-config", json.dumps(events)]  # fmt: skip
 
     @property
     def prefill_rate(self) -> float:
@@ -157,7 +179,10 @@ class Fleet:
         ``engine_args``, the simulator's knobs as its ``LLMGW_SIM_*`` environment."""
         return vllm_profile(
             replicas=self.engines,
-            args=["--max-model-len", "4096", "--num-gpu-blocks-override", str(self.kv_blocks)],
+            args=[
+                *("--max-model-len", "4096", "--num-gpu-blocks-override", str(self.kv_blocks)),
+                *self.precise_args(),
+            ],
             env={
                 "LLMGW_SIM_SCHEDULER": "step",
                 "LLMGW_SIM_PREFILL_RATE": f"{self.prefill_rate:g}",
@@ -176,18 +201,45 @@ def _words(prefix: str, n: int) -> str:
     return " ".join(f"{prefix}w{i}" for i in range(n))
 
 
-def request_bodies(workload: str, count: int, seed: int, shape: Shape = Shape()) -> list[bytes]:
+def vocabulary(shape: Shape) -> list[str]:
+    """Every word the tenant workloads send with --precise (the tokenizer's vocabulary)."""
+    words = [f"t{t}w{i}" for t in range(shape.tenants) for i in range(shape.system)]
+    return words + [f"q{k}" for k in range(USER_VOCABULARY)]
+
+
+def request_bodies(
+    workload: str, count: int, seed: int, shape: Shape = Shape(), *, precise: bool = False
+) -> list[bytes]:
+    """The requests' JSON. "tenants mixed": the tenants, each request serialised by one of
+    two clients, which write the same conversation differently (key order and spacing:
+    other bytes, the same prompt for the engine's tokenizer)."""
     rng = random.Random(seed)
     systems = [_words(f"t{t}", shape.system) for t in range(shape.tenants)]
     out: list[bytes] = []
     for i in range(count):
-        if workload in ("tenants", "tenants x4"):
+        if workload in TENANT_WORKLOADS:
             system = systems[rng.randrange(shape.tenants)]
         elif workload == "hot":
             system = systems[0]
         else:
             system = _words(f"u{seed}r{i}", shape.system)
-        user = " ".join(f"q{i}x{rng.randrange(10**6)}" for _ in range(shape.user))
+        if precise:
+            user = " ".join(f"q{rng.randrange(USER_VOCABULARY)}" for _ in range(shape.user))
+        else:
+            user = " ".join(f"q{i}x{rng.randrange(10**6)}" for _ in range(shape.user))
+        if workload == "tenants mixed" and rng.random() < 0.5:
+            # The other client: keys in another order, no spaces between them.
+            other = {
+                "stream": True,
+                "max_tokens": shape.out,
+                "messages": [
+                    {"content": system, "role": "system"},
+                    {"content": user, "role": "user"},
+                ],
+                "model": MODEL,
+            }
+            out.append(json.dumps(other, separators=(",", ":")).encode())
+            continue
         body = {
             "model": MODEL,
             "messages": [
@@ -466,11 +518,20 @@ def router_up(
                         {
                             "listen": f"127.0.0.1:{port}",
                             "admin_listen": f"127.0.0.1:{admin}",
-                            "balancer": target,
+                            "balancer": "cache_aware" if target == PRECISE else target,
                             "workers": 1,
                             **(
-                                {"cache_aware": dict(CACHE_AWARE)}
-                                if CACHE_AWARE and target == "cache_aware"
+                                {
+                                    "cache_aware": {
+                                        **CACHE_AWARE,
+                                        **(
+                                            {"tokenizers": {MODEL: TOKENIZER[0]}}
+                                            if target == PRECISE
+                                            else {}
+                                        ),
+                                    }
+                                }
+                                if target in ("cache_aware", PRECISE)
                                 else {}
                             ),
                             **source,
@@ -559,7 +620,7 @@ def run_one(
     shape: Shape = args.shape
     rate = args.rate or args.load * fleet.capacity(shape)
     times = arrival_times(rate, args.seconds, seed)
-    bodies = request_bodies(workload, len(times), seed, shape)
+    bodies = request_bodies(workload, len(times), seed, shape, precise=bool(fleet.tokenizer))
     warm = int(len(times) * args.warmup)
     copies = 4 if workload == "tenants x4" else 1
     result = Result(workload, target, rate)
@@ -733,6 +794,14 @@ def ratios(results: Sequence[Result]) -> list[str]:
         out.append(
             f"tenants: router CPU/request cache_aware / least_outstanding = {cpu_ca / cpu_lo:.2f}"
         )
+    for workload in TENANT_WORKLOADS:
+        a, b = p90(workload, PRECISE), p90(workload, ca)
+        if not (math.isnan(a) or math.isnan(b)):
+            out.append(
+                f"{workload}: TTFT p90 {PRECISE} / cache_aware = {a / b:.2f}; hit rate "
+                f"{100 * med(workload, PRECISE, 'hit_rate'):.0f} % vs "
+                f"{100 * med(workload, ca, 'hit_rate'):.0f} %"
+            )
     hot = [r for r in results if r.workload == "hot" and r.target == ca]
     if hot:
         out.append(f"hot: cache_aware max/mean requests per engine = {hot[0].max_mean:.2f}")
@@ -794,6 +863,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="llamacpp: the profile's engine_args (default: 2 slots, each its own prompt "
         "cache, no host-memory cache shared by the slots)",
     )
+    parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="the simulated engines tokenize with a real (word-level) tokenizer and publish "
+        "KV events with token ids, and target cache_aware+tokens matches on them (tenant "
+        "workloads a, d, e; the control fleet)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.shape = Shape(args.tenants, args.system_words, args.user_words, args.out_tokens)
@@ -803,6 +879,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         CACHE_AWARE["slack"] = args.cache_aware_slack
     use_uvloop()
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)
+    if args.precise:
+        if args.engine != "sim" or args.fleet != "control":
+            parser.error("--precise needs the simulated engines under the control fleet")
+        if any(WORKLOADS[k] not in TENANT_WORKLOADS for k in args.workloads):
+            parser.error("--precise runs the tenant workloads only: --workloads a d e")
+        folder = Path(tempfile.mkdtemp(prefix="bench-tokenizer-"))
+        atexit.register(shutil.rmtree, folder, True)
+        write_word_tokenizer(folder, vocabulary(args.shape))
+        TOKENIZER.append(str(folder))
+        fleet = dataclasses.replace(fleet, tokenizer=str(folder))
+    elif PRECISE in args.targets:
+        if "--targets" in (argv if argv is not None else sys.argv):
+            parser.error(f"{PRECISE} needs --precise")
+        args.targets = [t for t in args.targets if t != PRECISE]
     if args.engine == "llamacpp":
         args.fleet = "control"
         if args.rate is None:
@@ -816,7 +906,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rep in range(args.repeat):
             for key in args.workloads:
                 workload = WORKLOADS[key]
-                order = ["cache_aware"] if workload == "tenants x4" else targets
+                order = (
+                    [t for t in targets if t in ("cache_aware", PRECISE)]
+                    if workload == "tenants x4"
+                    else targets
+                )
                 order = order[rep % len(order) :] + order[: rep % len(order)]
                 for target in order:
                     seed = args.seed + 1000 * rep + ord(key)

@@ -1,0 +1,38 @@
+"""A small word-level tokenizer folder in the Hugging Face layout, for precise matching.
+
+The simulator (``--tokenizer``) and llmgw-router (``cache_aware.tokenizers``) both load it:
+``tokenizer.json`` (one token per whitespace-separated word of ``words``, anything else
+``<unk>``) and ``tokenizer_config.json`` with a chat template. It stands in for a real
+model's files where no real engine runs; the real-vLLM suite uses gemma-3's own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["CHAT_TEMPLATE", "write_word_tokenizer"]
+
+SPECIALS = ["<s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_word_tokenizer(folder: Path, words: Iterable[str]) -> Path:
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+
+    vocab: dict[str, int] = {}
+    for word in [*SPECIALS, *words]:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))  # noqa: S106 (a token, no secret)
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
