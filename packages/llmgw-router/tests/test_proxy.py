@@ -87,7 +87,7 @@ def test_streaming_with_usage_through_openai_client(
     assert chunks[-1].usage.completion_tokens == 20
     # Counted when the request ends, just after its last byte reached the client.
     metrics = wait_for(
-        lambda: (m := router.metrics()) if metric(m, TOKENS_M1) == before + 20 else None,
+        lambda: m if metric(m := router.metrics(), TOKENS_M1) == before + 20 else None,
         timeout=10,
         what="the 20 completion tokens counted",
     )
