@@ -160,7 +160,10 @@ async def test_relay_from_a_real_zmq_publisher() -> None:
     pub.bind(f"tcp://127.0.0.1:{port}")
     sent: list[v1.CacheEvents] = []
     source = KvSource("m.p.1-0", f"tcp://127.0.0.1:{port}", "kv", generation=99)
-    relay = KvEventsRelay(lambda: [source], sent.append, interval=lambda: 0.05, session=lambda: 1)
+    session = [1]
+    relay = KvEventsRelay(
+        lambda: [source], sent.append, interval=lambda: 0.05, session=lambda: session[0]
+    )
     task = asyncio.create_task(relay.run())
     stored = (DATA / "vllm-0.32.0-kv-events.msgpack").read_bytes()
     try:
@@ -188,6 +191,21 @@ async def test_relay_from_a_real_zmq_publisher() -> None:
             return any(m.cleared for m in sent[before:])
 
         await wait_for_async(cleared_again, timeout=30, what="a clear after the gap")
+        # The view starts over from the next batch; a new stream to the control plane
+        # then gets everything held, not only what changes next.
+        await pub.send_multipart([b"kv", (seq + 6).to_bytes(8, "big"), stored])
+
+        async def rebuilt() -> bool:
+            return relay.view(source).snapshot().stored == [NAME_B]
+
+        await wait_for_async(rebuilt, timeout=30, what="the view rebuilt after the gap")
+        before = len(sent)
+        session[0] = 2
+
+        async def snapshot() -> bool:
+            return any(m.cleared and m.stored == [NAME_B] for m in sent[before:])
+
+        await wait_for_async(snapshot, timeout=30, what="the whole view on a new stream")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
