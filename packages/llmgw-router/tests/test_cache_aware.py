@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_router.balancers import CacheAware, make_balancer
 from llmgw_router.config import CacheAwareConfig
-from llmgw_router.prefix import prefix_blocks
+from llmgw_router.prefix import prefix_blocks, prompt_text
 
 
 @dataclass
@@ -368,3 +370,48 @@ def test_prefix_blocks_are_chained(a: bytes, b: bytes, size: int) -> None:
                 assert ha[i] == hb[i]
     assert prefix_blocks(a, size, 1000) == ha  # the same in every call and process
     assert len(prefix_blocks(a * 10, size, 3)) <= 3
+
+
+_text = st.text(max_size=40)
+_content = st.one_of(
+    _text,
+    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}), max_size=3),
+)
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": _content},
+        optional={"name": _text},
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@given(_messages, st.booleans(), st.booleans(), st.randoms())
+def test_the_prompt_text_does_not_depend_on_how_the_json_was_written(
+    messages: list[dict[str, Any]], ascii_only: bool, compact: bool, rng: random.Random
+) -> None:
+    """Two clients writing the same conversation (key order, spacing, escapes) give the
+    same prompt text; a conversation's prompt text starts with its earlier turns'."""
+    reordered = []
+    for message in messages:
+        items = list(message.items())
+        rng.shuffle(items)
+        reordered.append(dict(items))
+    one = json.dumps(messages).encode()
+    other = json.dumps(
+        reordered, ensure_ascii=ascii_only, separators=(",", ":") if compact else None
+    ).encode()
+    assert prompt_text(one, chat=True) == prompt_text(other, chat=True)
+    earlier = json.dumps(messages[:-1]).encode()
+    assert prompt_text(one, chat=True).startswith(prompt_text(earlier, chat=True))
+
+
+def test_the_prompt_text_of_a_completion_and_of_what_does_not_decode() -> None:
+    assert prompt_text(b'"caf\\u00e9"', chat=False) == "café".encode()
+    assert prompt_text(b"[1, 2]", chat=False) == prompt_text(b"[1,2]", chat=False)
+    assert prompt_text(b"[1, 2", chat=False) == b"[1, 2"
+    # Different conversations stay apart.
+    a = prompt_text(b'[{"role":"user","content":"ab"}]', chat=True)
+    b = prompt_text(b'[{"role":"user","content":"a"},{"role":"b","content":""}]', chat=True)
+    assert a != b

@@ -46,7 +46,7 @@ from llmgw_router.config import ApiKey, Deadlines
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError, error_body, sse_error_event
 from llmgw_router.hold import Holds
-from llmgw_router.prefix import prefix_blocks
+from llmgw_router.prefix import prefix_blocks, prompt_text
 from llmgw_router.retry import RetryPolicy, Verdict, after_failure, retry_tiers
 from llmgw_router.state import RouterState, now
 from llmgw_router.tokens import PromptBlocks, PromptTokenizer
@@ -606,7 +606,8 @@ class ProxyApp:
         elif isinstance(head, _RequestHeadWithPrompt):
             prompt = head.messages or head.prompt
             if prompt:
-                ctx.prefix = prefix_blocks(bytes(prompt), self._block_bytes, self._max_blocks)
+                text = prompt_text(bytes(prompt), chat=bool(head.messages))
+                ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
                 tokenizer = self._tokenizers.get(model)
                 if tokenizer is not None:
                     ctx.tokens = self._prompt_tokens(tokenizer, head)
