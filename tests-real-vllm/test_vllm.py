@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 from llmgw_testkit import http_get, wait_for
 from llmgw_testkit.cluster import Cluster, metric_sum
@@ -297,8 +298,12 @@ def test_the_router_matches_prompts_on_the_blocks_the_engine_reports_cached(
         "prompt_tokens"
     ] == len(engine_completion)
 
-    client = _client(serving)
-    client.chat.completions.create(model=SERVED_NAME, max_tokens=2, **chat)
+    reply = httpx.post(
+        f"{serving.router_url}/v1/chat/completions",
+        json={"model": SERVED_NAME, "max_tokens": 2, **chat},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
 
     # The engine's BlockStored events, named by their token ids by the agent, reach the
     # router through the control plane: every full block of the prompt is matched.

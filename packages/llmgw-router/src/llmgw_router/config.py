@@ -111,7 +111,8 @@ class CacheAwareConfig(BaseConfig):
     """The `cache_aware` balancer: prefix affinity bounded by load."""
 
     # The prompt (chat messages in order, or the completion prompt) is cut into blocks
-    # of this many bytes of the request's JSON; a block is the unit of prefix matching.
+    # of this many bytes of its text (prefix.prompt_text); a block is the unit of prefix
+    # matching.
     # (For a model in `tokenizers`: of block_bytes / 4 of its tokens.)
     block_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
     # Rendezvous hashing places a request by its first this-many blocks, so routers
