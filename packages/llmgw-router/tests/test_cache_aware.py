@@ -415,3 +415,49 @@ def test_the_prompt_text_of_a_completion_and_of_what_does_not_decode() -> None:
     a = prompt_text(b'[{"role":"user","content":"ab"}]', chat=True)
     b = prompt_text(b'[{"role":"user","content":"a"},{"role":"b","content":""}]', chat=True)
     assert a != b
+
+
+# Precise matching: what the engines report cached (see test_precise.py).
+
+
+def test_the_engine_that_holds_the_prompt_takes_it_whatever_the_router_sent() -> None:
+    bal: CacheAware[Cand] = CacheAware(rng=random.Random(1))
+    cands = [Cand("a"), Cand("b"), Cand("c")]
+    prefix = (11, 12, 13)
+    home = bal.ranking(cands, prefix)[0]
+    other = next(c for c in cands if c is not home)
+    # This router never sent the prompt anywhere, but `other`'s engine reports it cached
+    # (another router sent it, or this one restarted): it goes there.
+    held = {other.id: 6, home.id: 1}
+    got = bal.pick(cands, lambda c: True, None, prefix, lambda c: held.get(c.id, 1))
+    assert got is other
+    assert bal.engine_cache_picks == 1
+    # What every engine holds (the chat template's head) makes no holder: home.
+    fresh: CacheAware[Cand] = CacheAware(rng=random.Random(1))
+    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: 2) is home
+    assert fresh.engine_cache_picks == 0
+    # No engine reports its cache (-1): the router's own history decides, as before.
+    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: -1) is home
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 12), min_size=2, max_size=6),
+    held=st.lists(st.integers(-1, 8), min_size=6, max_size=6),
+    prefix=st.lists(st.integers(0, 2**40), min_size=1, max_size=4),
+)
+def test_bounded_load_holds_with_the_engines_caches(
+    loads: list[int], held: list[int], prefix: list[int]
+) -> None:
+    """However the engines' caches point, the pick stays within the bound whenever some
+    endpoint is, and a holder of the longest match within the bound is preferred to none."""
+    bal: CacheAware[Cand] = CacheAware(rng=random.Random(0))
+    cands = [Cand(f"e{i}", load=float(x), outstanding=x) for i, x in enumerate(loads)]
+    by_id = {c.id: held[i] for i, c in enumerate(cands)}
+    got = bal.pick(cands, lambda c: True, None, tuple(prefix), lambda c: by_id[c.id])
+    assert got is not None
+    total = sum(c.load for c in cands)
+    n = len(cands)
+    within = [c for c in cands if bal.within(c.load, total, 1, n, n)]
+    if within:
+        assert got in within

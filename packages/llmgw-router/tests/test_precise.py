@@ -4,17 +4,12 @@ blocks the engines report cached (named by llmgw_proto.token_blocks)."""
 from __future__ import annotations
 
 import json
-import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from llmgw_proto.config import ConfigError, load
 from llmgw_proto.token_blocks import token_block_hashes
 from llmgw_proto.v1 import EndpointCache
-from llmgw_router.balancers import CacheAware
 from llmgw_router.config import RouterConfig, validate
 from llmgw_router.endpoints import Endpoint, EndpointSpec
 from llmgw_router.tokens import PromptBlocks, PromptTokenizer
@@ -165,59 +160,6 @@ def test_an_endpoints_token_blocks_follow_its_engines_cache_events() -> None:
     )
     assert _blocks(ep) == {9}
     assert ep.cached_blocks == 1
-
-
-@dataclass
-class Cand:
-    id: str
-    weight: int = 1
-    outstanding: int = 0
-    load: float = 0.0
-    awaiting_first: int = 0
-    generation: int = 0
-
-
-def test_the_engine_that_holds_the_prompt_takes_it_whatever_the_router_sent() -> None:
-    bal: CacheAware[Cand] = CacheAware(rng=random.Random(1))
-    cands = [Cand("a"), Cand("b"), Cand("c")]
-    prefix = (11, 12, 13)
-    home = bal.ranking(cands, prefix)[0]
-    other = next(c for c in cands if c is not home)
-    # This router never sent the prompt anywhere, but `other`'s engine reports it cached
-    # (another router sent it, or this one restarted): it goes there.
-    held = {other.id: 6, home.id: 1}
-    got = bal.pick(cands, lambda c: True, None, prefix, lambda c: held.get(c.id, 1))
-    assert got is other
-    assert bal.engine_cache_picks == 1
-    # What every engine holds (the chat template's head) makes no holder: home.
-    fresh: CacheAware[Cand] = CacheAware(rng=random.Random(1))
-    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: 2) is home
-    assert fresh.engine_cache_picks == 0
-    # No engine reports its cache (-1): the router's own history decides, as before.
-    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: -1) is home
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    loads=st.lists(st.integers(0, 12), min_size=2, max_size=6),
-    held=st.lists(st.integers(-1, 8), min_size=6, max_size=6),
-    prefix=st.lists(st.integers(0, 2**40), min_size=1, max_size=4),
-)
-def test_bounded_load_holds_with_the_engines_caches(
-    loads: list[int], held: list[int], prefix: list[int]
-) -> None:
-    """However the engines' caches point, the pick stays within the bound whenever some
-    endpoint is, and a holder of the longest match within the bound is preferred to none."""
-    bal: CacheAware[Cand] = CacheAware(rng=random.Random(0))
-    cands = [Cand(f"e{i}", load=float(x), outstanding=x) for i, x in enumerate(loads)]
-    by_id = {c.id: held[i] for i, c in enumerate(cands)}
-    got = bal.pick(cands, lambda c: True, None, tuple(prefix), lambda c: by_id[c.id])
-    assert got is not None
-    total = sum(c.load for c in cands)
-    n = len(cands)
-    within = [c for c in cands if bal.within(c.load, total, 1, n, n)]
-    if within:
-        assert got in within
 
 
 def test_with_a_tokenizer_the_prefix_is_the_same_for_any_json_spacing(tmp_path: Path) -> None:

@@ -606,14 +606,15 @@ class ProxyApp:
         elif isinstance(head, _RequestHeadWithPrompt):
             prompt = head.messages or head.prompt
             if prompt:
-                text = prompt_text(bytes(prompt), chat=bool(head.messages))
-                ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
                 tokenizer = self._tokenizers.get(model)
                 if tokenizer is not None:
                     ctx.tokens = self._prompt_tokens(tokenizer, head)
-                    if ctx.tokens is not None:
-                        # Blocks of block_bytes / 4 tokens (about as much prompt).
-                        ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
+                if ctx.tokens is not None:
+                    # Blocks of block_bytes / 4 tokens (about as much prompt).
+                    ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
+                else:
+                    text = prompt_text(bytes(prompt), chat=bool(head.messages))
+                    ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
         return ctx
 
     def _prompt_tokens(
