@@ -840,6 +840,13 @@ class ShardStatus(betterproto2.Message):
 
     gpu_indices: "list[int]" = betterproto2.field(12, betterproto2.TYPE_UINT32, repeated=True)
 
+    ports_taken: "list[int]" = betterproto2.field(13, betterproto2.TYPE_UINT32, repeated=True)
+    """
+    On a refusal: the ports of the StartShard that another program already holds on
+    the node. The control plane places the retry on other ports and keeps these off
+    this node for a while.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "ShardStatus", ShardStatus)
 
