@@ -395,6 +395,12 @@ class Endpoint(betterproto2.Message):
         12, betterproto2.TYPE_ENUM, default_factory=lambda: EngineKind(0)
     )
 
+    api_key: "str" = betterproto2.field(13, betterproto2.TYPE_STRING)
+    """
+    What the router sends the engine as Authorization: Bearer <api_key> (the engine
+    refuses a request without it); empty: the engine takes none. Never shown.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Endpoint", Endpoint)
 
@@ -845,6 +851,12 @@ class ShardStatus(betterproto2.Message):
     On a refusal: the ports of the StartShard that another program already holds on
     the node. The control plane places the retry on other ports and keeps these off
     this node for a while.
+    """
+
+    api_key: "str" = betterproto2.field(14, betterproto2.TYPE_STRING)
+    """
+    The secret the engine's HTTP port requires (Authorization: Bearer ...), given by the
+    agent at launch; the control plane passes it to routers and shows it nowhere.
     """
 
 
