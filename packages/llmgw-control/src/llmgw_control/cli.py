@@ -18,6 +18,7 @@ import click
 import structlog
 from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
+from llmgw_proto.text import visible, visible_data
 from llmgw_proto.tls import CertReloader, server_context
 
 from llmgw_control import __version__
@@ -171,7 +172,7 @@ def _get(admin: str, path: str) -> tuple[int, Any]:
         return int(err.code), {"error": body.decode(errors="replace")}
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
-        fail(f"cannot reach the admin API at {url}: {reason}", code=1)
+        fail(visible(f"cannot reach the admin API at {url}: {reason}"), code=1)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -207,7 +208,8 @@ def status(as_json: bool, watch: bool, interval: float, admin: str) -> None:
     while True:
         code, data = _get(admin, "/v1/status")
         if code != 200:
-            fail(f"admin API answered {code}: {data.get('error', data)}", code=1)
+            fail(visible(f"admin API answered {code}: {data.get('error', data)}"), code=1)
+        # json.dumps writes control characters as \u escapes; the tables use visible().
         text = json.dumps(data, indent=2) if as_json else render_status(data)
         if not watch:
             click.echo(text)
@@ -248,7 +250,13 @@ def _why(r: dict[str, Any]) -> str:
 
 
 def render_status(data: dict[str, Any]) -> str:
-    """The tables of `llmgw-control status`, pure: one string from the status JSON."""
+    """The tables of `llmgw-control status`, pure: one string from the status JSON.
+
+    Every string in ``data`` (node ids, labels, reasons: much of it from agents) is
+    printed through :func:`llmgw_proto.text.visible`: no control character reaches
+    the terminal; the only ones in the result are the layout's own newlines.
+    """
+    data = visible_data(data)
     out = []
     nodes = [
         [
@@ -338,14 +346,16 @@ def explain(model: str, admin: str) -> None:
     """Why each replica of MODEL is where it is, or why it is nowhere."""
     code, data = _get(admin, "/v1/explain/" + urllib.parse.quote(model, safe=""))
     if code == 404:
-        fail(data.get("error", f"unknown model {model!r}"), code=1)
+        fail(visible(str(data.get("error", f"unknown model {model!r}"))), code=1)
     if code != 200:
-        fail(f"admin API answered {code}: {data.get('error', data)}", code=1)
+        fail(visible(f"admin API answered {code}: {data.get('error', data)}"), code=1)
     click.echo(render_explain(model, data))
     sys.stdout.flush()
 
 
 def render_explain(model: str, data: dict[str, Any]) -> str:
+    """`llmgw-control explain`'s text, pure; every string printed through visible()."""
+    model, data = visible(model), visible_data(data)
     lines = []
     for p in data["profiles"]:
         have = len(p["replicas"])
