@@ -798,6 +798,12 @@ class RunningShard(betterproto2.Message):
         12, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Timestamp, optional=True
     )
 
+    api_key: "str" = betterproto2.field(13, betterproto2.TYPE_STRING)
+    """
+    The secret the engine's HTTP port requires (as ShardStatus.api_key), so a control
+    plane that learns the shard from Register can still publish it to routers.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "RunningShard", RunningShard)
 
