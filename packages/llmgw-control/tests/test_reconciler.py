@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 from llmgw_control.inventory import Node, NodeState, ShardReport, node_state
-from llmgw_control.placement import GpuSlot
+from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, place
 from llmgw_control.reconciler import (
     ControlState,
     Decision,
@@ -19,6 +19,8 @@ from llmgw_control.reconciler import (
     Start,
     Stop,
     reconcile,
+    remember_taken,
+    taken_on,
 )
 from llmgw_proto import v1
 
@@ -307,3 +309,74 @@ def test_next_at_names_the_next_deadline_and_is_inf_when_settled() -> None:
     assert d.next_at == world.now + 1.0  # base_backoff: the retry is the next deadline
     assert world.step(0.5).commands == []
     assert len(starts(world.step(0.5))) == 1
+
+
+def test_a_port_refused_as_taken_is_placed_around_while_remembered() -> None:
+    # Issue 24: a port of the range held by another program on the node failed the
+    # replica forever, since the retry went to the same port every time.
+    world = World(catalog(gpus_per_node=1), make_node("a", gpus=1))
+    (start,) = starts(world.step())
+    assert start.port == 20000
+    for attempt in range(3):
+        world.report(
+            start, S.FAILED, reason=f"port {start.port} is not free", ports_taken=(start.port,)
+        )
+        world.step()
+        (start,) = starts(world.step(60.0))
+        assert start.port == 20001 + attempt
+    assert set(world.state.taken_ports) == {("a", 20000), ("a", 20001), ("a", 20002)}
+    world.report(start, S.READY)
+    world.step()
+    # Forgotten after the hold: the port is placed again.
+    world.step(SETTINGS.port_hold)
+    assert world.state.taken_ports == {}
+    other = next(r for r in world.state.replicas.values())
+    world.report(start, S.FAILED, exit_code=1)  # a failure that names no port
+    world.step()
+    (again,) = starts(world.step(60.0))
+    assert again.replica_id == other.replica_id
+    assert again.port == 20000
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    span=st.integers(min_value=1, max_value=12),
+    used=st.sets(st.integers(min_value=0, max_value=11)),
+    refusals=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.integers(min_value=0, max_value=11),
+            st.floats(min_value=0.0, max_value=1000.0),
+        ),
+        max_size=20,
+    ),
+    now=st.floats(min_value=0.0, max_value=1000.0),
+)
+def test_placement_never_chooses_a_remembered_refused_port(
+    span: int, used: set[int], refusals: list[tuple[str, int, float]], now: float
+) -> None:
+    lo = 20000
+    hi = lo + span - 1
+    taken: dict[tuple[str, int], float] = {}
+    for node_id, offset, refused_at in refusals:
+        remember_taken(taken, node_id, [lo + offset], refused_at + 600.0)
+    held = taken_on(taken, now)
+    views = []
+    for node_id, address in (("a", "10.0.0.1"), ("b", "10.0.0.2")):
+        view = NodeView(node_id, NodeState.READY, (GpuSlot(0, "H100", GiB),), address=address)
+        view.used_ports = {lo + u for u in used} | held.get(node_id, set())
+        views.append(view)
+    result = place(Demand(gpus_per_node=1), views, (lo, hi))
+    free = {v.node_id: [p for p in range(lo, hi + 1) if p not in v.used_ports] for v in views}
+    if any(free.values()):
+        assert isinstance(result, Placement)
+        (shard,) = result.shards
+        # Never a port the node refused while it is remembered; always one in range.
+        assert shard.port not in held.get(shard.node_id, set())
+        assert lo <= shard.port <= hi
+        assert shard.port in free[shard.node_id]
+    else:
+        assert not isinstance(result, Placement)
+    # What is remembered ends when its time does, and a later refusal extends it.
+    for (node_id, port), until in taken.items():
+        assert (port in held.get(node_id, set())) == (until > now)

@@ -96,6 +96,8 @@ class ShardReport:
     exit_code: int | None = None
     signal: int | None = None
     updated: float = 0.0
+    # On a refusal: the ports another program holds on the node (placed around a while).
+    ports_taken: tuple[int, ...] = ()
 
     @property
     def running(self) -> bool:
@@ -217,6 +219,7 @@ class Inventory:
         report.exit_code = msg.exit_code
         report.signal = msg.signal
         report.output_tail = msg.output_tail or report.output_tail
+        report.ports_taken = tuple(msg.ports_taken)
         report.updated = now
 
     def disconnect(self, node_id: str, session_id: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -43,7 +43,9 @@ __all__ = [
     "Stop",
     "new_replica_id",
     "reconcile",
+    "remember_taken",
     "replica_state",
+    "taken_on",
     "unsend",
 ]
 
@@ -60,6 +62,8 @@ class Settings:
     startup_grace: float = 10.0
     # How long an adopted multi-node replica may wait for its other ranks to report.
     adopt_grace: float = 120.0
+    # How long a port a node refused as held by another program stays off that node.
+    port_hold: float = 600.0
 
 
 @dataclass
@@ -127,6 +131,8 @@ class ControlState:
     orphan_stops: dict[tuple[str, str], str] = field(default_factory=dict)
     # Replicas given up because their node was LOST: never adopt them back.
     replaced: dict[str, float] = field(default_factory=dict)
+    # (node, port) -> until when: ports a node refused as held by another program.
+    taken_ports: dict[tuple[str, int], float] = field(default_factory=dict)
     started_at: float = 0.0
     passes: int = 0
 
@@ -204,6 +210,7 @@ def _clone(state: ControlState) -> ControlState:
         replicas=replicas,
         orphan_stops=dict(state.orphan_stops),
         replaced=dict(state.replaced),
+        taken_ports=dict(state.taken_ports),
         started_at=state.started_at,
         passes=state.passes,
     )
@@ -380,6 +387,14 @@ class _Pass:
                 "", r.replica_id, v1.ShardState.FAILED, reason="not every rank reported back"
             )
         if failed is not None:
+            for plan, report in zip(r.shards, reports, strict=True):
+                if report is not None and report.state in _ENDED:
+                    remember_taken(
+                        self.state.taken_ports,
+                        plan.node_id,
+                        report.ports_taken,
+                        self.now + self.s.port_hold,
+                    )
             self._fail(r, failed)
             return
         if not r.complete:
@@ -597,6 +612,10 @@ class _Pass:
                     view.used_gpus.update(report.gpu_indices)
                     if report.port:
                         view.used_ports.add(report.port)
+        for node_id, ports in taken_on(self.state.taken_ports, self.now).items():
+            view = views.get(node_id)
+            if view is not None:
+                view.used_ports.update(ports)
         return views
 
     # --- orphans ----------------------------------------------------------------------
@@ -618,6 +637,7 @@ class _Pass:
     def _forget_old(self) -> None:
         horizon = self.now - 24 * 3600
         self.state.replaced = {k: t for k, t in self.state.replaced.items() if t > horizon}
+        self.state.taken_ports = {k: t for k, t in self.state.taken_ports.items() if t > self.now}
         live = {
             (n.node_id, s.shard_id)
             for n in self.nodes.values()
@@ -656,6 +676,24 @@ class _Pass:
 
 # A shard that ended without being drained or stopped on purpose is a failure.
 _ENDED = frozenset({v1.ShardState.FAILED, v1.ShardState.STOPPED})
+
+
+def remember_taken(
+    taken: dict[tuple[str, int], float], node_id: str, ports: Iterable[int], until: float
+) -> None:
+    """Keep ``ports`` off ``node_id`` until ``until`` (a later refusal extends it)."""
+    for port in ports:
+        if port:
+            taken[(node_id, port)] = max(until, taken.get((node_id, port), until))
+
+
+def taken_on(taken: Mapping[tuple[str, int], float], now: float) -> dict[str, set[int]]:
+    """Node -> the ports it refused as taken that are still remembered at ``now``."""
+    out: dict[str, set[int]] = {}
+    for (node_id, port), until in taken.items():
+        if until > now:
+            out.setdefault(node_id, set()).add(port)
+    return out
 
 
 def _matches(report: ShardReport, profile: ProfileSpec) -> bool:
