@@ -2,11 +2,19 @@
 
 All SQLite work runs on one thread of its own, so the event loop never waits on the
 disk; the control plane hands it whole batches (one transaction each).
+
+One control plane per directory: ``open`` takes an exclusive ``flock`` on
+``<state_dir>/LOCK`` (the holder's pid written in it) and keeps it until ``close`` or
+the process's end, as etcd, PostgreSQL and Prometheus do with their data directories;
+a second control plane on the same directory is refused, naming the holder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import os
 import sqlite3
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +35,7 @@ __all__ = ["APPLICATION_ID", "SqliteStore"]
 # PRAGMA application_id: marks the file as ours ("LGWC").
 APPLICATION_ID = 0x4C475743
 FILE_NAME = "control.db"
+LOCK_NAME = "LOCK"
 
 T = TypeVar("T")
 
@@ -37,6 +46,7 @@ class SqliteStore:
         self.setting = setting
         self.description = f"sqlite store {self.path} ({setting})"
         self._db: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-sqlite")
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -52,6 +62,50 @@ class SqliteStore:
             raise StoreError(
                 f"{self.description}: cannot create the directory: {err.strerror or err}"
             ) from None
+        self._lock()
+        try:
+            self._db = self._connect()
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _lock(self) -> None:
+        """Hold ``<state_dir>/LOCK`` exclusively, or say who does."""
+        lock = self.path.parent / LOCK_NAME
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise StoreError(
+                f"{self.description}: cannot open the lock file {lock}: {err.strerror or err}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise StoreError(
+                f"state directory {self.path.parent} ({self.setting}) is in use by another "
+                f"llmgw-control (pid {holder or 'unknown'}, holding {lock}); stop it, or give "
+                f"this one its own {self.setting}"
+            ) from None
+        except OSError as err:
+            os.close(fd)
+            raise StoreError(
+                f"{self.description}: cannot lock {lock}: {err.strerror or err}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        # The file stays (removing it would race a newcomer's open); the lock goes.
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)
+
+    def _connect(self) -> sqlite3.Connection:
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -65,7 +119,7 @@ class SqliteStore:
         except StoreError:
             db.close()
             raise
-        self._db = db
+        return db
 
     def _check(self, db: sqlite3.Connection, fresh: bool) -> None:
         app = db.execute("PRAGMA application_id").fetchone()[0]
@@ -142,4 +196,6 @@ class SqliteStore:
         if self._db is not None:
             db, self._db = self._db, None
             await self._run(db.close)
+        if self._lock_fd is not None:
+            await self._run(self._unlock)
         self._pool.shutdown(wait=False)
