@@ -176,7 +176,8 @@ def from_args(
             ),
             host=ns.host or "0.0.0.0",
             port=ns.port,
-            api_keys=list(ns.api_key or []),
+            # --api-key wins over VLLM_API_KEY, as in vLLM's api_server.
+            api_keys=[k for k in (ns.api_key or [(environ or {}).get("VLLM_API_KEY", "")]) if k],
             max_model_len=ns.max_model_len or 32768,
             max_num_seqs=ns.max_num_seqs or 1024,
             block_size=block,
@@ -253,9 +254,11 @@ def from_args(
         raise StartupError("ValueError", f"invalid ctx-size: {ns.ctx_size}")
     model = ns.model or (ns.hf_repo or "")
     keys: list[str] = []
-    if ns.api_key:
+    # llama.cpp reads --api-key from LLAMA_API_KEY too (the flag wins).
+    raw_keys = ns.api_key or (environ or {}).get("LLAMA_API_KEY", "")
+    if raw_keys:
         # llama.cpp takes several keys separated by commas.
-        keys = [k for k in ns.api_key.split(",") if k]
+        keys = [k for k in raw_keys.split(",") if k]
     parallel = ns.parallel if ns.parallel > 0 else 4
     return EngineConfig(
         kind=kind,
