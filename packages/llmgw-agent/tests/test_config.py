@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -25,7 +26,9 @@ def test_defaults_need_tls_or_insecure() -> None:
     assert config.engines.sglang.command == ["python", "-m", "sglang.launch_server"]
     assert config.engines.llamacpp.command == ["llama-server"]
     assert config.stop_engines_on_exit is False
-    assert config.engine_host == "0.0.0.0"
+    # Engines bind the advertised address by default, not every address of the node.
+    assert config.engine_host == ""
+    assert config.bind_host() == config.endpoint_host()
     assert config.node_name  # the hostname
 
 
@@ -102,6 +105,18 @@ def test_wildcard_engine_host_advertises_hostname() -> None:
     import socket
 
     assert config.endpoint_host() == socket.gethostname()
+
+
+def test_engines_bind_the_advertised_address() -> None:
+    import socket
+
+    config = load_agent_config(None, insecure=True)
+    assert config.bind_host() == socket.gethostname()
+    advertised = msgspec.structs.replace(config, advertise_host="10.0.0.5")
+    assert advertised.bind_host() == "10.0.0.5"
+    # An explicit engine_host is the operator's choice, a wildcard included.
+    wildcard = msgspec.structs.replace(advertised, engine_host="0.0.0.0")
+    assert (wildcard.bind_host(), wildcard.endpoint_host()) == ("0.0.0.0", "10.0.0.5")
 
 
 @pytest.mark.parametrize(

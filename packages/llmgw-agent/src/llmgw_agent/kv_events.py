@@ -42,11 +42,62 @@ __all__ = [
     "decode_batch",
     "decode_events",
     "kv_events_target",
+    "loopback_kv_config",
 ]
 
 log = structlog.get_logger(__name__)
 
 _MASK = (1 << 64) - 1
+
+
+# What engines publish on when the config names no endpoint (vLLM's default): every
+# address of the node. The agent makes it loopback.
+_DEFAULT_ENDPOINT = "tcp://*:5557"
+_WILDCARDS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::")
+_LOOPBACK = ("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:")
+
+
+def _publishes(config: object) -> bool:
+    return (
+        isinstance(config, dict)
+        and bool(config.get("enable_kv_cache_events"))
+        and config.get("publisher", "zmq") == "zmq"
+    )
+
+
+def loopback_endpoint(endpoint: str) -> str | None:
+    """``endpoint`` on loopback: a wildcard becomes 127.0.0.1, loopback and ipc:// stay;
+    None for an address other machines could reach (the events carry every cached
+    prompt's token ids)."""
+    for wildcard in _WILDCARDS:
+        if endpoint.startswith(wildcard):
+            return "tcp://127.0.0.1:" + endpoint[len(wildcard) :]
+    if endpoint.startswith((*_LOOPBACK, "ipc://", "inproc://")):
+        return endpoint
+    return None
+
+
+def loopback_kv_config(raw: str) -> tuple[str, str]:
+    """(the --kv-events-config to launch with, problem): the publisher bound to loopback
+    whatever the profile said; a problem naming the endpoint when it asks for another
+    address. A config that publishes nothing comes back as it was."""
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return raw, ""
+    if not _publishes(config):
+        return raw, ""
+    endpoint = str(config.get("endpoint") or _DEFAULT_ENDPOINT)
+    local = loopback_endpoint(endpoint)
+    if local is None:
+        return raw, (
+            f"engine_args --kv-events-config: endpoint {endpoint!r} would publish the token "
+            "ids of every cached prompt where other machines can read them; use "
+            "tcp://*:PORT or tcp://*:0 (the agent binds it to 127.0.0.1) or tcp://127.0.0.1:PORT"
+        )
+    if local == config.get("endpoint"):
+        return raw, ""
+    return json.dumps({**config, "endpoint": local}), ""
 
 
 def kv_events_target(parsed: ParsedArgs) -> tuple[str, str] | None:
@@ -58,15 +109,13 @@ def kv_events_target(parsed: ParsedArgs) -> tuple[str, str] | None:
         config = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
+    if not _publishes(config):
         return None
-    if config.get("publisher", "zmq") != "zmq":
-        return None
-    endpoint = str(config.get("endpoint") or "tcp://*:5557")
-    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
-        if endpoint.startswith(wildcard):
-            endpoint = "tcp://127.0.0.1:" + endpoint[len(wildcard) :]
-    return endpoint, str(config.get("topic") or "")
+    endpoint = str(config.get("endpoint") or _DEFAULT_ENDPOINT)
+    local = loopback_endpoint(endpoint)
+    if local is None:
+        return None  # refused by validation (loopback_kv_config names it)
+    return local, str(config.get("topic") or "")
 
 
 def _hash(value: object) -> int | None:

@@ -105,6 +105,8 @@ class LoadSource:
     metrics_url: str
     metrics: LoadMetrics
     generation: int
+    # The engine's secret (llama-server's /metrics requires it).
+    api_key: str = ""
 
 
 def _key(load: v1.EngineLoad) -> tuple[object, ...]:
@@ -142,7 +144,9 @@ class LoadReporter:
     async def read(self, source: LoadSource) -> v1.EngineLoad:
         timeout = max(0.5, 2 * self.interval())
         try:
-            status, body = await http_get(source.metrics_url, timeout=timeout)
+            status, body = await http_get(
+                source.metrics_url, timeout=timeout, api_key=source.api_key
+            )
         except (OSError, TimeoutError):
             status, body = 0, b""
         if status != 200:

@@ -47,7 +47,7 @@ def plan(
     installed = node.engines.get(adapter.name) if adapter else None
     spec = installed.spec if installed is not None else None
     parsed = spec.parse(start.engine_args) if spec is not None else None
-    problems = validate(start, adapter, parsed, command, node, probes, bind_host=config.engine_host)
+    problems = validate(start, adapter, parsed, command, node, probes, bind_host=config.bind_host())
     launch = None
     if adapter is not None and parsed is not None:
         try:
@@ -56,7 +56,7 @@ def plan(
                 start,
                 parsed,
                 command,
-                bind_host=config.engine_host,
+                bind_host=config.bind_host(),
                 endpoint_host=config.endpoint_host(),
             )
         except ValueError as err:  # e.g. a leader address validation already named

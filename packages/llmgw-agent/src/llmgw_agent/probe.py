@@ -19,13 +19,17 @@ __all__ = ["http_get"]
 _MAX_BODY = 16 * 1024 * 1024
 
 
-async def http_get(url: str, *, timeout: float = 5.0) -> tuple[int, bytes]:
-    """(status, body) of GET ``url``; raises OSError or TimeoutError when it cannot."""
+async def http_get(url: str, *, timeout: float = 5.0, api_key: str = "") -> tuple[int, bytes]:
+    """(status, body) of GET ``url``; raises OSError or TimeoutError when it cannot.
+
+    ``api_key``: the engine's secret, sent as ``Authorization: Bearer`` (llama-server
+    guards /metrics with it; the other engines ignore it where they do not ask).
+    """
     async with asyncio.timeout(timeout):
-        return await _get(url)
+        return await _get(url, api_key)
 
 
-async def _get(url: str) -> tuple[int, bytes]:
+async def _get(url: str, api_key: str) -> tuple[int, bytes]:
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or 80
@@ -35,8 +39,9 @@ async def _get(url: str) -> tuple[int, bytes]:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         host_header = f"[{host}]" if ":" in host else host
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         writer.write(
-            f"GET {path} HTTP/1.0\r\nHost: {host_header}:{port}\r\n"
+            f"GET {path} HTTP/1.0\r\nHost: {host_header}:{port}\r\n{auth}"
             "User-Agent: llmgw-agent\r\nAccept: */*\r\n\r\n".encode()
         )
         await writer.drain()

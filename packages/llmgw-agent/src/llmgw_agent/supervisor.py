@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,7 +27,15 @@ from urllib.parse import urlsplit
 import structlog
 from llmgw_proto import v1
 
-from llmgw_agent.adapters import Adapter, Launch, adapter_for, wants_kv_port, with_kv_port
+from llmgw_agent.adapters import (
+    Adapter,
+    Launch,
+    adapter_for,
+    redacted_argv,
+    wants_kv_port,
+    with_api_key,
+    with_kv_port,
+)
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engines import InstalledEngine, load_installed
 from llmgw_agent.health import health_status, running_requests
@@ -206,6 +215,7 @@ class Supervisor:
                     gpu_indices=list(start.gpu_indices),
                     port=start.port,
                     pid=engine.pid,
+                    api_key=engine.record.launch.api_key,
                     rank=multi.rank if multi else 0,
                     world_size=max(1, multi.size) if multi else 1,
                     started_at=datetime.datetime.fromtimestamp(
@@ -224,6 +234,7 @@ class Supervisor:
                 metrics=e.adapter.load,
                 # The launch time (ms): a restarted engine is a new generation.
                 generation=int(e.record.started_at * 1000),
+                api_key=e.record.launch.api_key,
             )
             for e in self.engines.values()
             if e.state in (S.READY, S.DRAINING) and not e.record.launch.headless
@@ -338,6 +349,10 @@ class Supervisor:
                 probe.bind(("127.0.0.1", 0))
                 launch = with_kv_port(launch, probe.getsockname()[1])
             decided = dataclasses.replace(decided, launch=launch)
+        # A fresh secret per launch: the engine's port refuses whoever lacks it, so only
+        # routers (given it through the control plane) and this agent reach the engine.
+        launch = with_api_key(decided.adapter, launch, secrets.token_urlsafe(32))
+        decided = dataclasses.replace(decided, launch=launch)
         path = record_path(self.state_dir, start.shard_id)
         logs_dir = self.state_dir / "logs"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -373,7 +388,7 @@ class Supervisor:
             popen=popen,
         )
         engine.save()
-        log.info("launched engine", shard=start.shard_id, pid=popen.pid, argv=launch.argv)
+        log.info("launched engine", shard=start.shard_id, pid=popen.pid, argv=redacted_argv(launch))
         if launch.endpoint_warning:
             log.warning(
                 "engine unreachable at its endpoint URL",
@@ -417,6 +432,7 @@ class Supervisor:
             pid=engine.pid,
             port=engine.start.port,
             gpu_indices=list(engine.start.gpu_indices),
+            api_key=launch.api_key if state == S.READY else "",
         )
         if state in (S.FAILED, S.STOPPED):
             status.exit_code = engine.exit_code
@@ -509,7 +525,11 @@ class Supervisor:
                 if not engine.exited.is_set():
                     break
                 return
-            status = await health_status(record.launch.health_url, timeout=max(interval, 2.0))
+            status = await health_status(
+                record.launch.health_url,
+                timeout=max(interval, 2.0),
+                api_key=record.launch.api_key,
+            )
             if status == 200:
                 break
             if time.time() >= deadline:
@@ -534,7 +554,9 @@ class Supervisor:
         while not engine.exited.is_set() and not engine.stop_reason:
             if not serving:
                 break  # still loading, or a headless rank: no requests of its own
-            running = await running_requests(launch.metrics_url, engine.adapter.running_metric)
+            running = await running_requests(
+                launch.metrics_url, engine.adapter.running_metric, launch.api_key
+            )
             if running == 0 or _now() >= deadline:
                 break
             await asyncio.sleep(self.config.drain_poll_interval)

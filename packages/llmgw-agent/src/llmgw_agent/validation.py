@@ -24,6 +24,7 @@ from llmgw_proto.addr import parse_hostport
 from llmgw_agent.adapters import Adapter
 from llmgw_agent.engine_flags import ParsedArgs
 from llmgw_agent.engines import InstalledEngine
+from llmgw_agent.kv_events import loopback_kv_config
 from llmgw_agent.weights import memory_problems
 
 __all__ = [
@@ -162,6 +163,11 @@ def validate(
     problems += _check_multi_node(start, adapter)
     if parsed is not None:
         problems += _check_args(start, adapter, parsed)
+        kv_raw = parsed.first("--kv-events-config")
+        if kv_raw is not None and adapter.name in ("vllm", "sglang"):
+            problem = loopback_kv_config(kv_raw)[1]
+            if problem:
+                problems.append(problem)
         if not any(p.startswith("engine_args:") or "parallel" in p for p in problems):
             problems += _check_model(start, adapter, parsed, node, probes)
     for name in _RESERVED_ENV:

@@ -440,6 +440,7 @@ class Controller:
                     shard_id=leader.shard_id,
                     generation=engine_generation(leader.shard_id, report.pid),
                     engine=profile.engine,
+                    api_key=report.api_key,
                 )
             )
         for rid, text in problems.items():

@@ -96,6 +96,8 @@ class ShardReport:
     exit_code: int | None = None
     signal: int | None = None
     updated: float = 0.0
+    # The secret the engine's port requires (routers send it); never shown or logged.
+    api_key: str = field(default="", repr=False)
     # On a refusal: the ports another program holds on the node (placed around a while).
     ports_taken: tuple[int, ...] = ()
 
@@ -181,6 +183,7 @@ class Inventory:
                 rank=s.rank,
                 world_size=max(s.world_size, 1),
                 updated=now,
+                api_key=s.api_key,
             )
         self.nodes[node.node_id] = node
         return node
@@ -210,6 +213,9 @@ class Inventory:
         report.state = msg.state
         report.replica_id = msg.replica_id or report.replica_id
         report.endpoint_url = msg.endpoint_url or report.endpoint_url
+        if msg.state == v1.ShardState.READY:
+            # READY names the engine's secret (empty: it takes none); later states do not.
+            report.api_key = msg.api_key
         report.pid = msg.pid or report.pid
         # A report first made from a status (not from Register) learns here what the
         # shard holds, so its port and GPUs stay taken even after its replica moves.

@@ -60,6 +60,12 @@ class EndpointInfo(NamedTuple):
     engine: str = ""
     # The leader shard behind it: where its load figures come from.
     shard_id: str = ""
+    # The secret the engine's port requires: sent to routers only, never shown.
+    api_key: str = ""
+
+    def __repr__(self) -> str:
+        shown = self._replace(api_key="***") if self.api_key else self
+        return "EndpointInfo" + repr(tuple(shown))
 
     def message(self) -> v1.Endpoint:
         return v1.Endpoint(
@@ -75,6 +81,7 @@ class EndpointInfo(NamedTuple):
             health_path=self.health_path,
             generation=self.generation,
             engine=_ENGINES.get(self.engine, v1.EngineKind.UNSPECIFIED),
+            api_key=self.api_key,
         )
 
 

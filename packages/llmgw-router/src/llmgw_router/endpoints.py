@@ -49,6 +49,9 @@ class EndpointSpec:
     labels: tuple[tuple[str, str], ...] = ()
     # Changes whenever the engine process behind the endpoint changes (0: not told).
     generation: int = 0
+    # The engine's secret, sent upstream as Authorization: Bearer (from the control
+    # plane); never shown (/v1/endpoints, logs) and never the client's own header.
+    api_key: str = field(default="", repr=False)
 
 
 @dataclass(eq=False, slots=True)

@@ -48,8 +48,10 @@ class HealthChecker:
 
     async def _probe(self, ep: Endpoint) -> None:
         try:
+            # The engine's secret too: not every engine leaves its health route open.
+            auth = {"Authorization": f"Bearer {ep.spec.api_key}"} if ep.spec.api_key else None
             async with self.session.get(
-                ep.url + (ep.spec.health_path or "/health"), timeout=self._timeout
+                ep.url + (ep.spec.health_path or "/health"), timeout=self._timeout, headers=auth
             ) as resp:
                 await resp.read()
                 ok = resp.status == 200

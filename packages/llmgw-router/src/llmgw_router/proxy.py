@@ -775,6 +775,7 @@ class ProxyApp:
                     ctx.headers,
                     connect_timeout=deadlines.connect,
                     deadline=first_byte_by,
+                    api_key=ep.spec.api_key,
                 )
                 status = response.status
                 if status >= 500 or status == 429:

@@ -385,12 +385,21 @@ class Pool:
         *,
         connect_timeout: float,
         deadline: float | None = None,
+        api_key: str = "",
     ) -> Response:
-        """Send the request and wait for the response head (until ``deadline``, loop clock)."""
+        """Send the request and wait for the response head (until ``deadline``, loop clock).
+
+        ``api_key``: the engine's secret, sent as ``Authorization: Bearer``; an
+        Authorization among ``headers`` (the client's own key) never reaches the engine.
+        """
         host = self._hosts.get(base_url) or self._host(base_url)
         parts = [b"POST ", path.encode(), host.request_line_tail, b"%d\r\n" % len(body)]
         for name, value in headers:
+            if name.lower() == b"authorization":
+                continue
             parts += (name, b": ", value, b"\r\n")
+        if api_key:
+            parts += (b"authorization: Bearer ", api_key.encode("ascii"), b"\r\n")
         parts.append(b"\r\n")
         head = b"".join(parts)
         # A pooled connection the engine closed meanwhile fails before any byte

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import re
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -70,6 +71,10 @@ class LeaderRedirect(Exception):
         self.leader = leader
 
 
+# What may go into an Authorization header: visible ASCII (no CR/LF to split the head).
+_HEADER_VALUE = re.compile(r"[\x21-\x7e]*")
+
+
 def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
     models = tuple(ep.served_model_names) or ((ep.model,) if ep.model else ())
     return EndpointSpec(
@@ -83,6 +88,7 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         replica_id=ep.replica_id,
         labels=tuple(sorted(ep.labels.items())),
         generation=ep.generation,
+        api_key=ep.api_key if _HEADER_VALUE.fullmatch(ep.api_key) else "",
     )
 
 

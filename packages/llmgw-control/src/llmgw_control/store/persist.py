@@ -114,6 +114,8 @@ def encode_node(n: Node, clock: Clock) -> bytes:
                     "pid": s.pid,
                     "rank": s.rank,
                     "world_size": s.world_size,
+                    # The engine's secret: a restarted leader publishes it again.
+                    "api_key": s.api_key,
                 }
                 for s in n.shards.values()
                 if s.running
@@ -237,6 +239,7 @@ def _node(d: dict[str, Any], clock: Clock) -> Node:
             rank=int(s.get("rank", 0)),
             world_size=int(s.get("world_size", 1)),
             updated=clock.mono,
+            api_key=str(s.get("api_key", "")),
         )
     return node
 

@@ -1,0 +1,137 @@
+"""Issue 24.3: engines reachable only through the router.
+
+Each launch carries a secret the engine's port requires (in its environment where the
+engine reads one there, so no other local user sees it in ps), and KV events are
+published on loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from llmgw_agent.adapters import (
+    LLAMACPP,
+    SGLANG,
+    VLLM,
+    build_launch,
+    redacted_argv,
+    with_api_key,
+)
+from llmgw_agent.engine_flags import captured
+from llmgw_agent.kv_events import loopback_endpoint, loopback_kv_config
+from llmgw_proto import v1
+
+SPECS = {
+    "vllm": captured("vllm", "0.32.0"),
+    "sglang": captured("sglang", "0.5.23"),
+    "llamacpp": captured("llamacpp", "b11434"),
+}
+KEY = "s3cr3t-key"
+
+
+def launch(adapter: Any, start: v1.StartShard) -> Any:
+    parsed = SPECS[adapter.name].parse(start.engine_args)
+    return build_launch(
+        adapter, start, parsed, ["engine"], bind_host="10.0.0.5", endpoint_host="10.0.0.5"
+    )
+
+
+def test_vllm_reads_the_secret_from_its_environment(kit: Any) -> None:
+    base = launch(VLLM, kit.make_start())
+    keyed = with_api_key(VLLM, base, KEY)
+    assert keyed.api_key == KEY
+    assert keyed.env["VLLM_API_KEY"] == KEY
+    assert keyed.argv == base.argv  # nothing in the command line ps shows
+    assert KEY not in " ".join(keyed.argv)
+    assert keyed.argv[keyed.argv.index("--host") + 1] == "10.0.0.5"
+
+
+def test_llamacpp_reads_the_secret_from_its_environment(kit: Any) -> None:
+    start = kit.make_start(engine=v1.EngineKind.LLAMACPP, model_ref="/models/m.gguf")
+    keyed = with_api_key(LLAMACPP, launch(LLAMACPP, start), KEY)
+    assert keyed.env["LLAMA_API_KEY"] == KEY
+    assert KEY not in keyed.argv
+
+
+def test_sglang_takes_the_secret_on_its_command_line(kit: Any) -> None:
+    start = kit.make_start(engine=v1.EngineKind.SGLANG)
+    base = launch(SGLANG, start)
+    keyed = with_api_key(SGLANG, base, KEY)
+    assert keyed.argv == [*base.argv, "--api-key", KEY]
+    # What the agent logs masks it.
+    assert redacted_argv(keyed) == [*base.argv, "--api-key", "***"]
+
+
+def test_headless_rank_and_no_key_are_left_alone(kit: Any) -> None:
+    multi = v1.MultiNode(rank=1, size=2, leader_address="10.0.0.5:29500")
+    headless = launch(VLLM, kit.make_start(gpu_indices=[0], multi_node=multi))
+    assert with_api_key(VLLM, headless, KEY) == headless
+    plain = launch(VLLM, kit.make_start())
+    assert with_api_key(VLLM, plain, "") == plain
+
+
+@pytest.mark.parametrize("adapter", [VLLM, SGLANG, LLAMACPP], ids=lambda a: a.name)
+def test_a_profile_may_not_set_the_api_key(adapter: Any) -> None:
+    # The agent gives the key; a profile's own would not be the one routers send.
+    assert "--api-key" in adapter.reserved
+
+
+@pytest.mark.parametrize(
+    ("given_endpoint", "launched"),
+    [
+        (None, "tcp://127.0.0.1:5557"),  # vLLM's default publishes on tcp://*:5557
+        ("tcp://*:5557", "tcp://127.0.0.1:5557"),
+        ("tcp://0.0.0.0:6000", "tcp://127.0.0.1:6000"),
+        ("tcp://*:0", "tcp://127.0.0.1:0"),
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
+    ],
+)
+def test_kv_events_are_published_on_loopback(
+    kit: Any, given_endpoint: str | None, launched: str
+) -> None:
+    config: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    if given_endpoint is not None:
+        config["endpoint"] = given_endpoint
+    start = kit.make_start(engine_args=["--kv-events-config", json.dumps(config)])
+    result = launch(VLLM, start)
+    sent = json.loads(result.argv[result.argv.index("--kv-events-config") + 1])
+    assert sent["endpoint"] == launched
+    assert result.kv_events_endpoint == launched
+
+
+def test_kv_events_on_another_address_are_refused() -> None:
+    raw = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://10.0.0.5:5557"})
+    kept, problem = loopback_kv_config(raw)
+    assert kept == raw
+    assert "--kv-events-config" in problem
+    assert "tcp://10.0.0.5:5557" in problem
+
+
+_HOSTS = st.sampled_from(["*", "0.0.0.0", "127.0.0.1", "localhost", "[::1]", "[::]", "::"])
+_OTHERS = st.ip_addresses(v=4).filter(lambda a: not a.is_loopback and str(a) != "0.0.0.0")
+
+
+@given(_HOSTS, st.integers(min_value=0, max_value=65535))
+def test_wildcard_and_loopback_stay_on_the_node(host: str, port: int) -> None:
+    local = loopback_endpoint(f"tcp://{host}:{port}")
+    assert local is not None
+    assert local.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:"))
+    assert local.endswith(f":{port}")
+
+
+@given(_OTHERS, st.integers(min_value=0, max_value=65535))
+def test_other_addresses_are_never_published_on(address: Any, port: int) -> None:
+    assert loopback_endpoint(f"tcp://{address}:{port}") is None
+    raw = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://{address}:{port}"})
+    assert loopback_kv_config(raw)[1]
+
+
+@given(st.text(max_size=50))
+def test_loopback_kv_config_never_raises(raw: str) -> None:
+    launched, problem = loopback_kv_config(raw)
+    assert isinstance(launched, str)
+    assert isinstance(problem, str)
