@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from llmgw_proto import v1
+from llmgw_proto.addr import parse_endpoint_url
 
 __all__ = [
     "EngineVersion",
@@ -21,6 +23,7 @@ __all__ = [
     "Node",
     "NodeState",
     "ShardReport",
+    "endpoint_refusal",
     "node_state",
 ]
 
@@ -104,6 +107,28 @@ class ShardReport:
     @property
     def running(self) -> bool:
         return self.state in RUNNING
+
+    @property
+    def refused(self) -> str:
+        """Why this READY shard's endpoint is not published (its URL cannot be parsed), or "".
+
+        Such a shard counts as failed: its replica fails and is retried with backoff,
+        the engine (still running, its GPUs and port still taken) is stopped as an
+        orphan, and its URL never reaches a router (issue 24.7).
+        """
+        if self.state != v1.ShardState.READY or not self.endpoint_url:
+            return ""
+        return endpoint_refusal(self.endpoint_url)
+
+
+@functools.lru_cache(maxsize=4096)
+def endpoint_refusal(url: str) -> str:
+    """Why an endpoint URL is refused ("" when routers can dial it). Pure."""
+    try:
+        parse_endpoint_url(url)
+    except ValueError as err:
+        return f"refused to publish: {err}"
+    return ""
 
 
 @dataclass

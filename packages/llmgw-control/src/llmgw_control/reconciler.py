@@ -322,7 +322,7 @@ class _Pass:
                     v1.ShardState.READY,
                 ):
                     continue
-                if report.replica_id in self.state.replaced:
+                if report.replica_id in self.state.replaced or report.refused:
                     continue
                 profile = self.catalog.get(report.model, report.profile)
                 if profile is None or not _matches(report, profile):
@@ -379,7 +379,8 @@ class _Pass:
             self._drain(r, reports)
             return
         failed = next(
-            (x for x in reports if x is not None and x.state in _ENDED),
+            # A READY shard at a URL no router can dial fails too (issue 24.7).
+            (x for x in reports if x is not None and (x.state in _ENDED or x.refused)),
             None,
         )
         if failed is None and not r.complete and self.now - r.created_at > self.s.adopt_grace:
@@ -417,7 +418,12 @@ class _Pass:
 
     def _fail(self, r: Replica, report: ShardReport) -> None:
         r.failures += 1
-        why = report.reason or _exit_text(report) or v1.ShardState(report.state).name
+        why = (
+            report.refused
+            or report.reason
+            or _exit_text(report)
+            or v1.ShardState(report.state).name
+        )
         r.last_error = f"{report.shard_id or r.replica_id}: {why}"
         r.last_output_tail = report.output_tail
         delay = exponential(r.failures - 1, self.s.base_backoff, self.s.max_backoff)
