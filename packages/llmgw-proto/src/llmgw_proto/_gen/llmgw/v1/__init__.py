@@ -457,6 +457,11 @@ class EndpointLoad(betterproto2.Message):
     How old the figures were when the control plane sent them.
     """
 
+    cache_tokens: "int" = betterproto2.field(10, betterproto2.TYPE_UINT64)
+    """
+    The engine's KV cache in tokens, as it reports it; 0 when not known.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "EndpointLoad", EndpointLoad)
 
@@ -548,6 +553,12 @@ class EngineLoad(betterproto2.Message):
     generation: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
     """
     Changes whenever the engine process changes (restart): its cache starts empty.
+    """
+
+    cache_tokens: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+    """
+    The engine's KV cache in tokens (vLLM: cache_config_info num_gpu_blocks x block_size;
+    SGLang: max_total_num_tokens); 0 when it does not say.
     """
 
 
