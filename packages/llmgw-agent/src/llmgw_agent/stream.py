@@ -29,12 +29,13 @@ from typing import Protocol
 
 import grpclib.const
 import structlog
-from grpclib.client import Channel, Stream
+from grpclib.client import Stream
 from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport
 from llmgw_proto.backoff import Backoff
+from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, BoundedChannel
 from llmgw_proto.tls import CertReloader
 
 from llmgw_agent.config import AgentConfig
@@ -42,6 +43,18 @@ from llmgw_agent.config import AgentConfig
 __all__ = ["CONNECT", "CommandHandler", "ControlLink", "Outbox"]
 
 log = structlog.get_logger(__name__)
+
+
+def _too_large(method: str, peer: str, who: str, length: int, limit: int) -> None:
+    log.warning(
+        "message from the control plane refused: too large",
+        method=method,
+        peer=peer,
+        identity=who,
+        bytes=length,
+        limit=limit,
+    )
+
 
 CONNECT = "/llmgw.v1.AgentService/Connect"
 DEFAULT_HEARTBEAT = 2.0
@@ -259,10 +272,13 @@ class ControlLink:
         if self.reloader is not None:
             self.reloader.check()
         host, port = parse_hostport(self.address)
-        channel = Channel(
+        channel = BoundedChannel(
             host,
             port,
             ssl=self.ssl_context,
+            # Commands and acks are small: gRPC's usual 4 MiB bound on what is read.
+            max_message=DEFAULT_MAX_MESSAGE,
+            on_refused=_too_large,
             # Pings find a control plane that vanished without closing the connection.
             config=Configuration(
                 _keepalive_time=10.0,

@@ -23,8 +23,10 @@ import grpclib.server
 import structlog
 from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
-from llmgw_proto.tls import peer_identity
+from llmgw_proto.grpc_limits import MessageTooLarge
+from llmgw_proto.tls import PeerIdentity, UnreadableIdentity, read_identity
 
+from llmgw_control.bounds import Bounds, register_problem
 from llmgw_control.metrics import Metrics
 from llmgw_control.wire import MalformedMessage, recv
 
@@ -58,6 +60,8 @@ class Session:
     replaced: asyncio.Event = field(default_factory=asyncio.Event)
     # Commands sent on this stream and not yet answered.
     pending: set[str] = field(default_factory=set)
+    # Shard statuses dropped: shards beyond the bound that nobody asked this node to run.
+    dropped: int = 0
 
 
 class AgentService:
@@ -78,6 +82,8 @@ class AgentService:
         self.command_timeout = command_timeout
         self.register_timeout = register_timeout
         self.metrics = metrics or Metrics()
+        # What one node may report (Register's size, labels, shards; see bounds.py).
+        self.bounds = Bounds()
         self.sessions: dict[str, Session] = {}
         self._deadlines: dict[str, tuple[str, asyncio.TimerHandle]] = {}
         # The leader's epoch, in every RegisterAck and command (fencing: agents refuse
@@ -172,6 +178,9 @@ class AgentService:
     async def connect(self, stream: Stream) -> None:
         peer = stream.peer.addr() if stream.peer is not None else None
         peer_host = str(peer[0]) if peer else ""
+        # With mTLS, only a readable node certificate may open a stream, before it says
+        # anything; and then a node may only speak for itself.
+        identity = self._identity(stream, peer_host)
         try:
             reading = recv(stream, "agent stream")
             first = await asyncio.wait_for(reading, self.register_timeout)
@@ -185,15 +194,8 @@ class AgentService:
                 grpclib.const.Status.INVALID_ARGUMENT,
                 "the first message on an agent stream must be a Register with a node_id",
             )
-        # With mTLS, a node may only speak for itself.
-        identity = peer_identity(stream.peer.cert() if stream.peer is not None else None)
-        if identity is not None and (
-            identity.name != register.node_id or identity.role not in ("", "node")
-        ):
-            why = (
-                f"certificate is for {identity.role or 'peer'} {identity.name!r}, "
-                f"not node {register.node_id!r}"
-            )
+        if identity is not None and identity.name != register.node_id:
+            why = f"certificate is for node {identity.name!r}, not node {register.node_id!r}"
             log.warning(
                 "agent refused",
                 peer=peer_host,
@@ -203,6 +205,10 @@ class AgentService:
             )
             self.metrics.refusals.labels("agent", "identity").inc()
             raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, why)
+        problem = register_problem(register, self.bounds)
+        if problem is not None:
+            self._refuse_bounds(peer_host, identity, register.node_id, problem)
+            raise GRPCError(grpclib.const.Status.RESOURCE_EXHAUSTED, f"Register refused: {problem}")
         session = Session(register.node_id, secrets.token_hex(8), peer_host)
         older = self.sessions.get(session.node_id)
         self.sessions[session.node_id] = session
@@ -232,7 +238,7 @@ class AgentService:
             gpus=len(register.inventory.gpus) if register.inventory else 0,
         )
         tasks: set[asyncio.Task[None]] = set()
-        malformed: MalformedMessage | None = None
+        malformed: MalformedMessage | MessageTooLarge | None = None
         try:
             self.events.on_register(session, register)
             tasks = {
@@ -243,7 +249,7 @@ class AgentService:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 failure = None if task.cancelled() else task.exception()
-                if isinstance(failure, MalformedMessage):
+                if isinstance(failure, MalformedMessage | MessageTooLarge):
                     malformed = failure  # already logged, with the peer
                 elif failure is not None:
                     log.info("agent stream failed", node_id=session.node_id, error=repr(failure))
@@ -312,6 +318,38 @@ class AgentService:
                 events.on_cache_events(session, msg.cache_events)
             elif msg.register is not None:
                 log.warning("second Register on one stream ignored", node_id=session.node_id)
+
+    def _identity(self, stream: Stream, peer_host: str) -> PeerIdentity | None:
+        """The node's certificate identity; None in plaintext; PERMISSION_DENIED otherwise."""
+        cert = stream.peer.cert() if stream.peer is not None else None
+        if cert is None:
+            return None  # plaintext (--insecure): nobody is authenticated
+        try:
+            identity = read_identity(cert)
+        except UnreadableIdentity as err:
+            why = f"unreadable certificate identity: {err}"
+            log.warning("agent refused", peer=peer_host, why=why)
+            self.metrics.refusals.labels("agent", "identity").inc()
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, why) from None
+        if identity.role != "node":
+            why = f"certificate is for {identity.role} {identity.name!r}, not a node"
+            log.warning("agent refused", peer=peer_host, name=identity.name, why=why)
+            self.metrics.refusals.labels("agent", "identity").inc()
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, why)
+        return identity
+
+    def _refuse_bounds(
+        self, peer_host: str, identity: PeerIdentity | None, node_id: str, why: str
+    ) -> None:
+        log.warning(
+            "agent refused: too large",
+            peer=peer_host,
+            name=identity.name if identity else "",
+            role=identity.role if identity else "",
+            node_id=node_id,
+            why=why,
+        )
+        self.metrics.refusals.labels("agent", "too large").inc()
 
     def _heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
         self.metrics.heartbeats.inc()

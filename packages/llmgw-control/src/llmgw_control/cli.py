@@ -105,10 +105,25 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         log.warning("connection refused by TLS", peer=peer, why=why)
         controller.metrics.refusals.labels("tls", why.split(":")[0][:60]).inc()
 
+    def too_large(method: str, peer: str, who: str, length: int, limit: int) -> None:
+        log.warning(
+            "gRPC message refused: too large",
+            method=method,
+            peer=peer,
+            identity=who,
+            bytes=length,
+            limit=limit,
+        )
+        name = method.rsplit("/", 1)[-1]
+        stream = {"Connect": "agent"}.get(name, name.lower())
+        controller.metrics.refusals.labels(stream, "too large").inc()
+
     server = GatedServer(
         stateful.services([controller.agents, controller.publisher]),
         ssl_context=ssl,
         on_refused=refused,
+        max_message=config.max_message_bytes,
+        on_too_large=too_large,
     )
     host, port = split_hostport(config.listen)
     await server.start_gated(host, port)

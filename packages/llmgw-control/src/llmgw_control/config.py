@@ -3,6 +3,7 @@
 ```yaml
 listen: 0.0.0.0:7070          # AgentService and EndpointService, one gRPC server
 admin_listen: 127.0.0.1:9091  # /metrics /healthz /v1/status /v1/explain/{model}
+max_message_bytes: 4194304    # the largest gRPC message read (4 MiB)
 tls: {insecure: false, cert: control.crt, key: control.key, ca: ca.crt}
 control:
   interval: 5s
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# gRPC messages received: gRPC's usual 4 MiB by default; from 64 KiB to 1 GiB.
+MessageBytes = Annotated[int, msgspec.Meta(ge=64 * 1024, le=1024 * 1024 * 1024)]
 
 
 class ControlSettings(BaseConfig):
@@ -112,6 +115,9 @@ class HaSettings(BaseConfig):
 class ControlConfig(BaseConfig):
     listen: str = "0.0.0.0:7070"
     admin_listen: str = "127.0.0.1:9091"
+    # The largest gRPC message the control plane reads (AgentService, EndpointService):
+    # a larger one is refused with RESOURCE_EXHAUSTED from its length prefix, unread.
+    max_message_bytes: MessageBytes = 4 * 1024 * 1024
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     control: ControlSettings = msgspec.field(default_factory=ControlSettings)
     models: list[ModelConfig] = []

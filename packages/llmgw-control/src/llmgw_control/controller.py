@@ -22,6 +22,7 @@ from llmgw_proto import v1
 from llmgw_control import status as status_view
 from llmgw_control.agent_service import AgentService, Session
 from llmgw_control.autoscaler import Autoscaler
+from llmgw_control.bounds import admit_shard, clip_status
 from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, NodeState
@@ -164,6 +165,28 @@ class Controller:
             self._wake.set()
 
     def on_shard_status(self, session: Session, msg: v1.ShardStatus) -> None:
+        bounds = self.agents.bounds
+        node = self.inventory.nodes.get(session.node_id)
+        if node is not None and not admit_shard(
+            held=len(node.shards),
+            known=msg.shard_id in node.shards,
+            # Only asked (all replicas' shards) when the node is at its bound: rare.
+            asked=len(node.shards) >= bounds.shards and msg.shard_id in self._asked(),
+            bounds=bounds,
+        ):
+            session.dropped += 1
+            self.metrics.refusals.labels("agent", "shard not asked for").inc()
+            if session.dropped == 1 or session.dropped % 1000 == 0:
+                log.warning(
+                    "shard status dropped: the node holds too many shards it was not asked to run",
+                    node_id=session.node_id,
+                    peer=session.peer_host,
+                    shard_id=msg.shard_id[:80],
+                    held=len(node.shards),
+                    dropped=session.dropped,
+                )
+            return
+        clip_status(msg, bounds)
         self.inventory.shard_status(session.node_id, session.session_id, msg, time.monotonic())
         self.keeper.node_changed(session.node_id)
         log.info(
@@ -174,6 +197,10 @@ class Controller:
             reason=msg.reason or None,
         )
         self._changed()
+
+    def _asked(self) -> set[str]:
+        """Every shard the control plane plans to run somewhere."""
+        return {p.shard_id for r in self.state.replicas.values() for p in r.shards}
 
     def _current(self, session: Session) -> bool:
         node = self.inventory.nodes.get(session.node_id)

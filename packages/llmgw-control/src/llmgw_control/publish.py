@@ -25,7 +25,7 @@ import grpclib.server
 import structlog
 from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
-from llmgw_proto.tls import peer_identity
+from llmgw_proto.tls import UnreadableIdentity, read_identity
 
 from llmgw_control.loads import LoadBook
 from llmgw_control.metrics import Metrics
@@ -196,12 +196,20 @@ class Publisher:
         cert = stream.peer.cert() if stream.peer is not None else None
         if cert is None:
             return  # plaintext (--insecure): nobody is authenticated
-        identity = peer_identity(cert)
-        if identity is not None and identity.role == "router":
-            return
         addr = stream.peer.addr() if stream.peer is not None else None
-        name = identity.name if identity else ""
-        role = identity.role if identity else ""
+        try:
+            identity = read_identity(cert)
+        except UnreadableIdentity as err:
+            why = f"unreadable certificate identity: {err}"
+            log.warning(
+                "watch refused", peer=str(addr[0]) if addr else "", router_id=router_id, why=why
+            )
+            if self._metrics is not None:
+                self._metrics.refusals.labels("watch", "identity").inc()
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, why) from None
+        if identity.role == "router":
+            return
+        name, role = identity.name, identity.role
         log.warning(
             "watch refused",
             peer=str(addr[0]) if addr else "",
@@ -213,7 +221,7 @@ class Publisher:
             self._metrics.refusals.labels("watch", "not a router").inc()
         raise GRPCError(
             grpclib.const.Status.PERMISSION_DENIED,
-            f"only a router certificate may watch endpoints; this one is for {role or 'peer'} {name!r}",
+            f"only a router certificate may watch endpoints; this one is for {role} {name!r}",
         )
 
     def snapshot(self) -> v1.EndpointSnapshot:

@@ -7,6 +7,10 @@ to the application. Here each accepted connection does its own handshake with
 address and the verification error, and only a verified connection reaches
 grpclib. Identity checks on the verified certificate (node id, router role) are
 made by the stream handlers, which see it through ``stream.peer``.
+
+Every handler's stream is bounded (:mod:`llmgw_proto.grpc_limits`): a message whose
+length prefix announces more than ``max_message`` bytes ends the call with
+``RESOURCE_EXHAUSTED`` before its body is read.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import grpclib.server
 from grpclib.protocol import H2Protocol
+from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, TooLargeHook, bound_handlers
 
 __all__ = ["GatedServer", "RefusalHook"]
 
@@ -105,8 +110,12 @@ class GatedServer(grpclib.server.Server):
         *,
         ssl_context: ssl.SSLContext | None,
         on_refused: RefusalHook,
+        max_message: int = DEFAULT_MAX_MESSAGE,
+        on_too_large: TooLargeHook | None = None,
     ) -> None:
         super().__init__(handlers)
+        # Every service this server has (agents, endpoints, any other) gets the bound.
+        self._mapping = bound_handlers(self._mapping, max_message, on_too_large)
         self._gate_ctx = ssl_context
         self._on_refused = on_refused
 

@@ -20,11 +20,14 @@ from llmgw_proto.config import BaseConfig, ConfigError
 log = structlog.get_logger(__name__)
 
 __all__ = [
+    "ROLES",
     "CertReloader",
     "PeerIdentity",
     "TlsConfig",
+    "UnreadableIdentity",
     "client_context",
     "peer_identity",
+    "read_identity",
     "server_context",
 ]
 
@@ -94,16 +97,86 @@ class PeerIdentity:
     name: str  # the common name: a node id, a router name, a host
 
 
-def peer_identity(peer_cert: dict[str, object] | None) -> PeerIdentity | None:
+class UnreadableIdentity(ValueError):
+    """A verified certificate whose subject does not say who it is (see read_identity)."""
+
+
+ROLES = ("node", "router", "server")
+# Longer than any node id or host name; a subject field is at most 64 characters anyway.
+MAX_NAME = 253
+
+
+def read_identity(peer_cert: dict[str, object] | None) -> PeerIdentity:
+    """The identity of a verified peer certificate; UnreadableIdentity saying why not.
+
+    The subject must hold exactly one common name (the node id, router name or host) and
+    exactly one organizational unit that is one of :data:`ROLES`. Anything else - no
+    CN, an empty one, no OU, an unknown OU, several of either - is unreadable: the
+    caller refuses the peer (as Kubernetes' x509 authenticator refuses a certificate
+    without a CN). Subject alternative names are not identities here: a SAN-only
+    (SPIFFE-style) certificate, with a URI SAN and no CN/OU, is unreadable too.
+    """
     if not peer_cert:
+        raise UnreadableIdentity("no certificate subject")
+    subject = peer_cert.get("subject", ())
+    names: list[str] = []
+    roles: list[str] = []
+    if isinstance(subject, tuple | list):
+        for rdn in subject:
+            if not isinstance(rdn, tuple | list):
+                continue
+            for pair in rdn:
+                if not isinstance(pair, tuple | list) or len(pair) != 2:
+                    continue
+                attr, value = pair
+                if attr == "commonName":
+                    names.append(str(value))
+                elif attr == "organizationalUnitName":
+                    roles.append(str(value))
+    if not names:
+        spiffe = _uri_sans(peer_cert)
+        if spiffe:
+            raise UnreadableIdentity(
+                f"no common name (URI SAN {spiffe[0]!r} is not an llmgw identity: "
+                "issue the certificate with `llmgw-control ca issue`)"
+            )
+        raise UnreadableIdentity("no common name in the certificate subject")
+    if len(names) > 1:
+        raise UnreadableIdentity(f"{len(names)} common names in the certificate subject")
+    name = names[0]
+    if not name.strip():
+        raise UnreadableIdentity("an empty common name")
+    if name != name.strip() or len(name) > MAX_NAME or not name.isprintable():
+        raise UnreadableIdentity(f"common name {name[:80]!r} is not a valid name")
+    if not roles:
+        raise UnreadableIdentity(f"no organizational unit (node, router or server) for {name!r}")
+    if len(roles) > 1:
+        raise UnreadableIdentity(
+            f"{len(roles)} organizational units for {name!r}: {', '.join(map(repr, roles))}"
+        )
+    if roles[0] not in ROLES:
+        raise UnreadableIdentity(
+            f"organizational unit {roles[0][:80]!r} for {name!r} is not node, router or server"
+        )
+    return PeerIdentity(role=roles[0], name=name)
+
+
+def _uri_sans(peer_cert: dict[str, object]) -> list[str]:
+    sans = peer_cert.get("subjectAltName", ())
+    out: list[str] = []
+    if isinstance(sans, tuple | list):
+        for pair in sans:
+            if isinstance(pair, tuple | list) and len(pair) == 2 and pair[0] == "URI":
+                out.append(str(pair[1]))
+    return out
+
+
+def peer_identity(peer_cert: dict[str, object] | None) -> PeerIdentity | None:
+    """:func:`read_identity`, or None where the subject does not say who it is."""
+    try:
+        return read_identity(peer_cert)
+    except UnreadableIdentity:
         return None
-    fields: dict[str, str] = {}
-    for rdn in peer_cert.get("subject", ()):  # type: ignore[attr-defined]
-        for attr, value in rdn:
-            fields[str(attr)] = str(value)
-    if "commonName" not in fields:
-        return None
-    return PeerIdentity(role=fields.get("organizationalUnitName", ""), name=fields["commonName"])
 
 
 class CertReloader:

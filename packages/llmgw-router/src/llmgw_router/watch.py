@@ -34,6 +34,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from llmgw_proto.addr import HostPort, format_hostport, parse_hostport
+from llmgw_proto.grpc_limits import BoundedChannel
 from llmgw_proto.backoff import Backoff
 from llmgw_proto.tls import CertReloader, client_context
 from llmgw_proto.v1 import (
@@ -54,6 +55,21 @@ from llmgw_router.state import RouterState, now
 __all__ = ["EndpointWatcher", "LeaderRedirect", "control_ssl", "load_from_wire", "spec_from_wire"]
 
 log = structlog.get_logger(__name__)
+
+# The largest message read from the control plane (an endpoint snapshot, a load update).
+MAX_RECEIVED = 64 * 1024 * 1024
+
+
+def _too_large(method: str, peer: str, who: str, length: int, limit: int) -> None:
+    log.warning(
+        "message from the control plane refused: too large",
+        method=method,
+        peer=peer,
+        identity=who,
+        bytes=length,
+        limit=limit,
+    )
+
 
 LEADER_KEY = "llmgw-leader"
 _WATCH = "/llmgw.v1.EndpointService/Watch"
@@ -261,7 +277,10 @@ class EndpointWatcher:
             _keepalive_timeout=10.0,
             ssl_target_name_override=name if self.ssl is not None else None,
         )
-        return Channel(host, port, ssl=self.ssl, config=config)
+        # Snapshots may be large (about 250 bytes an endpoint): 64 MiB, not gRPC's 4 MiB.
+        return BoundedChannel(
+            host, port, ssl=self.ssl, config=config, max_message=MAX_RECEIVED, on_refused=_too_large
+        )
 
     async def _subscribe_once(self, host: str, port: int, name: str | None) -> None:
         """One session on one channel: Watch, with WatchLoad and demand reports beside it.
