@@ -28,6 +28,7 @@ __all__ = [
     "EndpointConfig",
     "HealthCheckConfig",
     "HoldConfig",
+    "HttpConfig",
     "LoadReportsConfig",
     "RetryConfig",
     "RouterConfig",
@@ -160,6 +161,22 @@ class HoldConfig(BaseConfig):
     demand_interval: Duration = Duration(5.0)
 
 
+class HttpConfig(BaseConfig):
+    """Limits on what a client may send the router's HTTP server before it is judged."""
+
+    # The request line and headers together, in bytes: past it 414 (the request line
+    # alone is longer) or 431, and the connection closes.
+    max_head_bytes: Annotated[int, msgspec.Meta(ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
+    # From a request's first byte (or a new connection's accept) until its head is
+    # complete; then 408 and the connection closes.
+    head_timeout: Duration = Duration(10.0)
+    # From the end of the head until the whole body has arrived; then 408 and close.
+    body_timeout: Duration = Duration(30.0)
+    # Client connections one router worker holds at once; a request on a connection
+    # beyond it is answered 503 (with Retry-After) and that connection closes.
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+
+
 class EndpointConfig(BaseConfig):
     id: Annotated[str, msgspec.Meta(min_length=1)]
     url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+")]
@@ -249,6 +266,7 @@ class RouterConfig(BaseConfig):
     load_reports: LoadReportsConfig = msgspec.field(default_factory=LoadReportsConfig)
     hold: HoldConfig = msgspec.field(default_factory=HoldConfig)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     # Bearer tokens: plain strings, or {key, name, models} to limit a key to some models.
     api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
     # More keys from a YAML/TOML file of the form `keys: [...]` (same entries as api_keys),
@@ -292,6 +310,9 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
         if ep.id in seen:
             raise ConfigError(source, f"duplicate endpoint id {ep.id!r}", f"$.endpoints[{i}].id")
         seen.add(ep.id)
+    for name in ("head_timeout", "body_timeout"):
+        if getattr(cfg.http, name) <= 0:
+            raise ConfigError(source, "must be > 0 (e.g. `10s`)", f"$.http.{name}")
     if cfg.ejection.max_time < cfg.ejection.base_time:
         raise ConfigError(source, "must be >= ejection.base_time", "$.ejection.max_time")
     if cfg.control is not None:

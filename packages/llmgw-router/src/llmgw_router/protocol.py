@@ -21,6 +21,26 @@ disconnect. This protocol does only what the proxy needs:
   honoured; a keep-alive connection idle for ``keep_alive`` seconds is closed by
   one sweep for all connections, not a timer per response.
 
+What a client may send before it is judged is bounded (``http:`` in the config):
+
+- the head (request line and headers) is fed to the parser only up to
+  ``max_head_bytes``; past it the request is answered 414 (the request line is not
+  complete) or 431, and the connection closes. The parser never holds more;
+- the route and the API key are checked on the head (:meth:`ProxyApp.admit`), before
+  any body byte is read and before ``100 Continue``: a wrong key gets its 401 and the
+  connection closes; a 404, 405 or 413 drops the body as it comes and keeps the
+  connection;
+- a head not complete ``head_timeout`` after its first byte (or after the accept),
+  and a body not complete ``body_timeout`` after its head, get 408 and the
+  connection closes (the same sweep as keep-alive checks the deadlines);
+- beyond ``max_connections`` connections, a request is answered 503 (Retry-After)
+  and its connection closes.
+
+A connection closed after an answer while the client may still be sending is closed
+as nginx does ("lingering close"): our side is shut for writing, and what still comes
+is read and dropped, up to ``LINGER_BYTES`` or ``LINGER_SECONDS``, so that the client
+reads the answer instead of a reset.
+
 uvicorn's server still binds the sockets and runs the graceful shutdown: it
 calls :meth:`ProxyProtocol.shutdown` on every connection (idle ones close, busy
 ones close after their response) and waits for its connection set to empty.
@@ -38,13 +58,14 @@ from urllib.parse import unquote
 import httptools
 import structlog
 
-from llmgw_router.errors import error_body
+from llmgw_router.errors import ApiError, error_body
 from llmgw_router.framing import framing_error_response
 
 if TYPE_CHECKING:
+    from llmgw_router.config import ApiKey
     from llmgw_router.proxy import ProxyApp
 
-__all__ = ["ProxyProtocol", "protocol_factory", "sweep_idle"]
+__all__ = ["ProxyProtocol", "head_room", "protocol_factory", "sweep_idle", "sweep_interval"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,24 +84,66 @@ _CLOSE = b"connection: close\r\n"
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 
+# After an answer that closes the connection, what the client still sends is dropped
+# up to this many bytes, for at most this many seconds (see the module docstring).
+LINGER_BYTES = 256 * 1024
+LINGER_SECONDS = 2.0
+
+# What a connection's deadline is for.
+_NO_DEADLINE, _HEAD, _BODY, _LINGER = 0, 1, 2, 3
+
+
+def head_room(seen: int, limit: int, size: int) -> int:
+    """How many of ``size`` new bytes may go to the parser while a head is incomplete.
+
+    ``seen`` bytes of the head were fed already; at most ``limit`` ever are.
+    """
+    return max(0, min(size, limit - seen))
+
+
+def sweep_interval(keep_alive: float, head_timeout: float, body_timeout: float) -> float:
+    """How often the sweep looks at deadlines: a quarter of the shortest, 50 ms to 5 s."""
+    return max(0.05, min(5.0, keep_alive / 4, head_timeout / 4, body_timeout / 4))
+
+
+def _error_response(status: int, message: str, code: str, extra: bytes = b"") -> bytes:
+    """A whole HTTP/1.1 answer in OpenAI shape that ends the connection."""
+    body = error_body(message, "invalid_request_error", None, code)
+    return (
+        _STATUS_LINES[status]
+        + b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+        + extra
+        + _CLOSE
+        + b"\r\n"
+        + body
+    )
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the head went past ``max_head_bytes``."""
+
 
 class _Request:
     """One request as parsed, and the :class:`Reply` its answer is written through."""
 
     __slots__ = (
+        "api_key",
         "chunked",
         "close_after",
         "conn",
         "content",
         "declared_length",
+        "dropping",
         "gone",
         "head",
+        "head_size",
         "headers",
         "keep_alive",
         "method",
         "parts",
         "path",
         "received",
+        "refusal",
         "remaining",
         "responded",
         "size",
@@ -88,12 +151,14 @@ class _Request:
         "status",
         "task",
         "too_large",
-        "url",
+        "url_parts",
     )
 
     def __init__(self, conn: ProxyProtocol) -> None:
         self.conn = conn
-        self.url = b""
+        self.url_parts: list[bytes] = []
+        # Bytes of request line and headers the parser handed over.
+        self.head_size = 0
         self.method = ""
         self.path = ""
         self.headers: dict[bytes, bytes] = {}
@@ -101,6 +166,10 @@ class _Request:
         self.size = 0
         self.content = b""
         self.too_large = False
+        # Answered on its head (refused or too large): the body is dropped as it comes.
+        self.dropping = False
+        self.api_key: ApiKey | None = None
+        self.refusal: ApiError | None = None
         self.declared_length: int | None = None
         self.keep_alive = True
         self.received = False
@@ -202,7 +271,12 @@ class ProxyProtocol(asyncio.Protocol):
         self.loop = loop
         self.connections = connections
         self.tasks = tasks
-        self.limit = app.state.config.max_body_bytes
+        config = app.state.config
+        self.limit = config.max_body_bytes
+        self.max_head = config.http.max_head_bytes
+        self.head_timeout = config.http.head_timeout
+        self.body_timeout = config.http.body_timeout
+        self.max_connections = config.http.max_connections
         self.parser = httptools.HttpRequestParser(self)
         # Answer a request even when the client sent more after a `connection: close`.
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
@@ -217,12 +291,27 @@ class ProxyProtocol(asyncio.Protocol):
         self.active: _Request | None = None
         self.queue: collections.deque[_Request] = collections.deque()
         self.idle_since = loop.time()
+        # Between requests or inside a head: bytes of it fed to the parser so far, and
+        # whether its request line ended among them.
+        self.in_head = True
+        self.head_seen = 0
+        self.line_done = False
+        # When the head, the body or the lingering close in progress must be done by.
+        self.deadline = 0.0
+        self.deadline_kind = _NO_DEADLINE
+        self.lingering = False
+        self.linger_left = 0
+        # Accepted beyond max_connections: its request is answered 503.
+        self.over_limit = False
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.over_limit = len(self.connections) >= self.max_connections
         self.connections.add(self)
+        # A connection that never completes a head is closed like a slow head.
+        self._set_deadline(_HEAD)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -240,6 +329,33 @@ class ProxyProtocol(asyncio.Protocol):
         return None
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            # The answer is out and the connection closing: drop what still comes.
+            self.linger_left -= len(data)
+            if self.linger_left < 0 and self.transport is not None:
+                self.transport.close()
+            return
+        while self.in_head and data:
+            # The head goes to the parser only up to max_head_bytes: a huge header or
+            # URL is judged on its first bytes, never read (nor accumulated) whole.
+            if self.deadline_kind != _HEAD:
+                self._set_deadline(_HEAD)
+            room = head_room(self.head_seen, self.max_head, len(data))
+            part = data[:room] if room < len(data) else data
+            data = data[len(part) :]
+            self.head_seen += len(part)
+            if not self.line_done and b"\n" in part:
+                self.line_done = True
+            if part and not self._feed(part):
+                return
+            if self.in_head and data:
+                self._head_too_large()
+                return
+        if data:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse ``data``; False when the connection was refused for it."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -247,8 +363,17 @@ class ProxyProtocol(asyncio.Protocol):
             parsing = self.parsing
             if parsing is not None and not parsing.received:
                 self._refuse("Upgrade is not supported")
+            return False
+        except httptools.HttpParserCallbackError as err:
+            if isinstance(err.__context__, _HeadTooLarge):
+                self._head_too_large()
+            else:
+                self._refuse(str(err))
+            return False
         except httptools.HttpParserError as err:
             self._refuse(str(err))
+            return False
+        return not self.lingering and not (self.transport is None or self.transport.is_closing())
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -263,12 +388,22 @@ class ProxyProtocol(asyncio.Protocol):
         self.parsing = _Request(self)
 
     def on_url(self, url: bytes) -> None:
-        assert self.parsing is not None
-        self.parsing.url += url
+        request = self.parsing
+        assert request is not None
+        request.url_parts.append(url)
+        request.head_size += len(url)
+        if request.head_size > self.max_head:
+            # A pipelined head that came in one read with the body before it.
+            raise _HeadTooLarge
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.parsing is not None
-        self.parsing.headers.setdefault(name.lower(), value)
+        request = self.parsing
+        assert request is not None
+        self.line_done = True
+        request.head_size += len(name) + len(value) + 4
+        if request.head_size > self.max_head:
+            raise _HeadTooLarge
+        request.headers.setdefault(name.lower(), value)
 
     def on_headers_complete(self) -> None:
         request = self.parsing
@@ -276,7 +411,11 @@ class ProxyProtocol(asyncio.Protocol):
         parser = self.parser
         request.method = parser.get_method().decode("ascii")
         request.keep_alive = parser.should_keep_alive()
-        url = request.url
+        self.in_head = False
+        self.head_seen = 0
+        self._set_deadline(_BODY)
+        parts = request.url_parts
+        url = parts[0] if len(parts) == 1 else b"".join(parts)
         if url[:1] != b"/":
             # Absolute form (`POST http://host/v1/...`) or `*`.
             url = httptools.parse_url(url).path or b"/"
@@ -287,32 +426,52 @@ class ProxyProtocol(asyncio.Protocol):
         path = url.decode("latin-1")
         request.path = unquote(path) if "%" in path else path
         headers = request.headers
+        # Judged on the head: route and key (a wrong key reads no body and gets no
+        # `100 Continue`), then the connection bound, then the declared length.
+        try:
+            request.api_key = self.app.admit(request.method, request.path, headers)
+        except ApiError as err:
+            request.refusal = err
+            if err.status == 401:
+                request.keep_alive = False
+        if request.refusal is None and self.over_limit:
+            request.refusal = ApiError(
+                503,
+                f"this router worker holds its limit of {self.max_connections} connections"
+                " (http.max_connections); retry shortly",
+                "server_error",
+                code="too_many_connections",
+                headers=[(b"retry-after", b"1")],
+            )
+            request.keep_alive = False
         length = headers.get(b"content-length")
         if length is not None and length.isdigit():
             request.declared_length = int(length)
             if request.declared_length > self.limit:
                 request.too_large = True
+        request.dropping = request.too_large or request.refusal is not None
         expect = headers.get(b"expect")
         if (
             expect is not None
             and expect.lower() == b"100-continue"
-            and not request.too_large
+            and not request.dropping
             and self.active is None
             and self.transport is not None
         ):
             self.transport.write(_CONTINUE)
-        if request.too_large:
-            # Answered now; what follows of the body is read and dropped.
+        if request.dropping:
+            # Answered now; what follows of the body is dropped (or, when the answer
+            # closes the connection, dropped up to a bound while it closes).
             self._enqueue(request)
 
     def on_body(self, body: bytes) -> None:
         request = self.parsing
         assert request is not None
-        if request.too_large:
+        if request.dropping:
             return
         request.size += len(body)
         if request.size > self.limit:
-            request.too_large = True
+            request.too_large = request.dropping = True
             request.parts = []
             self._enqueue(request)
             return
@@ -323,7 +482,10 @@ class ProxyProtocol(asyncio.Protocol):
         assert request is not None
         self.parsing = None
         request.received = True
-        if request.too_large:
+        self.in_head = True
+        self.line_done = False
+        self.deadline_kind = _NO_DEADLINE
+        if request.dropping:
             # Already queued or answered (on_headers_complete / on_body).
             if request.responded and self.active is request:
                 self._next()
@@ -374,7 +536,11 @@ class ProxyProtocol(asyncio.Protocol):
         """The last byte of ``request``'s answer is written."""
         if request.close_after or self.transport is None:
             if self.transport is not None:
-                self.transport.close()
+                if request.received and self.parsing is None:
+                    self.transport.close()
+                else:
+                    # The client may still be sending its body: let it read the answer.
+                    self._linger()
             return
         self.idle_since = self.loop.time()
         if request.received:
@@ -385,11 +551,87 @@ class ProxyProtocol(asyncio.Protocol):
         if self.draining and self.transport is not None:
             self.transport.close()
             return
+        if self.deadline_kind in (_HEAD, _BODY):
+            # Its time did not run while the request before it was answered.
+            self._set_deadline(self.deadline_kind)
         if self.queue:
             self._start(self.queue.popleft())
         if not self.queue and self.reading_paused and self.transport is not None:
             self.reading_paused = False
             self.transport.resume_reading()
+
+    def _set_deadline(self, kind: int) -> None:
+        self.deadline_kind = kind
+        timeout = self.head_timeout if kind == _HEAD else self.body_timeout
+        self.deadline = self.loop.time() + (LINGER_SECONDS if kind == _LINGER else timeout)
+
+    def _head_too_large(self) -> None:
+        """A head past max_head_bytes: 414 while still in the request line, else 431."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self.active is not None:
+            # An answer is being written on this connection: no room for another.
+            transport.close()
+            return
+        if self.line_done:
+            status, what, code = 431, "request headers are", "request_header_fields_too_large"
+        else:
+            status, what, code = 414, "request line (URL) is", "uri_too_long"
+        transport.write(
+            _error_response(
+                status,
+                f"the {what} over the limit of {self.max_head} bytes of request head"
+                " (http.max_head_bytes)",
+                code,
+            )
+        )
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an answer while the client may still send: see the docstring."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self.lingering:
+            return
+        self.lingering = True
+        self.linger_left = LINGER_BYTES
+        self._set_deadline(_LINGER)
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+
+    def check_deadline(self, now: float) -> None:
+        """Close a connection whose head, body or lingering close ran out of time."""
+        kind = self.deadline_kind
+        transport = self.transport
+        if kind == _NO_DEADLINE or now < self.deadline or transport is None:
+            return
+        if transport.is_closing():
+            return
+        if kind == _LINGER:
+            transport.close()
+            return
+        active = self.active
+        if self.reading_paused or (active is not None and active is not self.parsing):
+            # Not reading, or the client waits for an answer: not its delay.
+            return
+        if kind == _HEAD and self.parsing is None:
+            # Connected (or answered) and no request begun since: closed without an answer.
+            transport.close()
+            return
+        if active is None:
+            what, setting = ("head", "head_timeout") if kind == _HEAD else ("body", "body_timeout")
+            limit = self.head_timeout if kind == _HEAD else self.body_timeout
+            transport.write(
+                _error_response(
+                    408,
+                    f"the request {what} did not arrive within {limit:g} s (http.{setting})",
+                    "request_timeout",
+                )
+            )
+        transport.close()
 
     def _refuse(self, detail: str) -> None:
         """A request the parser could not read: a 400 in OpenAI shape, then close."""
@@ -461,11 +703,13 @@ def protocol_factory(app: ProxyApp) -> Callable[..., ProxyProtocol]:
 
 
 async def sweep_idle(connections: set[Any], keep_alive: float, every: float = 5.0) -> None:
-    """Close keep-alive connections idle for longer than ``keep_alive`` seconds."""
+    """Close keep-alive connections idle for longer than ``keep_alive`` seconds, and
+    those whose head, body or lingering close is past its deadline."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(every)
         at = loop.time()
         for conn in list(connections):
             if isinstance(conn, ProxyProtocol):
+                conn.check_deadline(at)
                 conn.close_if_idle(at, keep_alive)

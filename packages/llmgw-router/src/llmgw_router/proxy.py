@@ -145,6 +145,10 @@ class Incoming(Reply, Protocol):
     # The body went over max_body_bytes (and was not kept): answer 413.
     too_large: bool
     declared_length: int | None
+    # Judged on the head, before any body byte was read (:meth:`ProxyApp.admit`): the
+    # caller's key, or the error that answers the request (401, 404, 405).
+    api_key: ApiKey | None
+    refusal: ApiError | None
 
 
 class _AsgiReply:
@@ -287,7 +291,9 @@ class ProxyApp:
         """One request read whole by the router's own HTTP server, answered to the end."""
         outcome = _Outcome()
         try:
-            api_key = self._admit(request.method, request.path, request.headers)
+            if request.refusal is not None:
+                raise request.refusal
+            api_key = request.api_key
             if request.path == "/v1/models":
                 await _respond(request, 200, self._models_body(api_key))
             else:
@@ -338,6 +344,12 @@ class ProxyApp:
         elif outcome.error_status:
             # Labelled without model and endpoint: the model may be any string a client sent.
             metrics.child(metrics.requests, "", str(outcome.error_status), "").inc()
+
+    def admit(self, method: str, path: str, headers: Headers) -> ApiKey | None:
+        """Route and key checks on a request's head alone (the router's own server runs
+        them before it reads the body): the caller's key (None: open access), or an
+        ApiError."""
+        return self._admit(method, path, headers)
 
     def _admit(self, method: str, path: str, headers: Headers) -> ApiKey | None:
         """Route and key checks: the caller's key (None: open access), or an ApiError."""

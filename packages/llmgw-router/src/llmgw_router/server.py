@@ -31,7 +31,7 @@ from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.framing import OpenAIErrorsProtocol
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
-from llmgw_router.protocol import protocol_factory, sweep_idle
+from llmgw_router.protocol import protocol_factory, sweep_idle, sweep_interval
 from llmgw_router.proxy import ProxyApp, RouterState
 from llmgw_router.upstream import Pool
 from llmgw_router.workers import EjectionShare, WorkerContext, reuseport_socket
@@ -151,6 +151,10 @@ async def serve(
         hc.graceful_timeout = config.shutdown_grace
         hc.accesslog = None
         hc.keep_alive_timeout = 75
+        # hypercorn's own limits (see the README): a head over the limit is a 431 from
+        # h11, and no read may wait longer than the body timeout (closed without 408).
+        hc.h11_max_incomplete_size = config.http.max_head_bytes
+        hc.read_timeout = config.http.body_timeout  # type: ignore[assignment]
         proxy_task = asyncio.create_task(
             hypercorn_serve(proxy, hc, shutdown_trigger=hypercorn_stop.wait)  # type: ignore[arg-type]
         )
@@ -160,8 +164,12 @@ async def serve(
             proxy, config.listen, config.shutdown_grace, protocol=protocol_factory(proxy)
         )
         proxy_task = asyncio.create_task(proxy_server.serve(sockets=sockets))
+        http = config.http
+        every = sweep_interval(KEEP_ALIVE, http.head_timeout, http.body_timeout)
         background.append(
-            asyncio.create_task(sweep_idle(proxy_server.server_state.connections, KEEP_ALIVE))
+            asyncio.create_task(
+                sweep_idle(proxy_server.server_state.connections, KEEP_ALIVE, every)
+            )
         )
     log.info(
         "worker starting" if worker is not None else "router starting",
