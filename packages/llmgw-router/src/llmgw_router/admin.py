@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -15,7 +14,7 @@ from starlette.routing import Route
 
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.state import RouterState
-from llmgw_router.tokens import PromptBlocks, PromptTokenizer
+from llmgw_router.tokens import PromptBlocks
 
 __all__ = ["admin_app"]
 
@@ -28,6 +27,7 @@ def admin_app(state: RouterState) -> Starlette:
             counts[ep.state(now)] = counts.get(ep.state(now), 0) + 1
         for name, count in counts.items():
             state.metrics.endpoints.labels(name).set(count)
+        state.metrics.token_cache_bytes.set(state.token_cache.bytes)
         # In-flight counts live on the endpoints; the gauge is filled in at scrape time
         # rather than moved twice on every request.
         metrics = state.metrics
@@ -145,8 +145,6 @@ def admin_app(state: RouterState) -> Starlette:
             }
         )
 
-    tokenizers: dict[str, PromptTokenizer] = {}
-
     async def match(request: Request) -> Response:
         """Precise matching, explained: for a chat or completion request body, the prompt's
         tokens as this router counts them and, per endpoint of its model, how many of its
@@ -158,19 +156,17 @@ def admin_app(state: RouterState) -> Starlette:
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return JSONResponse({"error": "the body needs a `model` string"}, status_code=400)
         model = body["model"]
-        folder = state.config.cache_aware.tokenizers.get(model)
-        if folder is None:
+        # The proxy's own tokenizer and cache: what it counts is what the proxy counts.
+        tokenizer = state.tokenizer(model)
+        if tokenizer is None:
             return JSONResponse(
                 {"error": f"no tokenizer for {model!r} in cache_aware.tokenizers"},
                 status_code=404,
             )
-        tokenizer = tokenizers.get(model)
-        if tokenizer is None:
-            tokenizer = tokenizers[model] = PromptTokenizer(Path(folder))
         if "messages" in body:
-            tokens = tokenizer.chat(body["messages"])
+            tokens = await tokenizer.chat_async(body["messages"])
         else:
-            tokens = tokenizer.completion(body.get("prompt"))
+            tokens = await tokenizer.completion_async(body.get("prompt"))
         if tokens is None:
             return JSONResponse({"model": model, "prompt_tokens": None, "endpoints": []})
         blocks = PromptBlocks(tokens, state.config.cache_aware.max_blocks)

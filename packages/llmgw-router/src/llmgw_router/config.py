@@ -139,6 +139,10 @@ class CacheAwareConfig(BaseConfig):
     # model's prompts as the engine does and matches them against the blocks the engines
     # report cached (KV events). Needs the `precise` extra.
     tokenizers: dict[str, str] = {}
+    # The token ids of prompt segments kept so that each prefix of a conversation is
+    # tokenized once (tokens.TokenCache), in bytes, for all of a worker's tokenizers
+    # together (LRU); 0 keeps none.
+    token_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 * 1024 * 1024
 
 
 class LoadReportsConfig(BaseConfig):

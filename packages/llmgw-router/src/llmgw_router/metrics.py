@@ -285,6 +285,18 @@ class Metrics:
             "Prompts tokenized for precise prefix matching (cache_aware.tokenizers).",
             registry=r,
         )
+        self.token_cache_tokens = Counter(
+            "llmgw_router_token_cache_tokens",
+            "Prompt tokens for precise matching, by source: cache (a prefix tokenized "
+            "before) or encoded (tokenized for this request).",
+            ["source"],
+            registry=r,
+        )
+        self.token_cache_bytes = Gauge(
+            "llmgw_router_token_cache_bytes",
+            "Bytes held by the cache of prompt segments' tokens (cache_aware.token_cache_bytes).",
+            registry=r,
+        )
         self.held = Gauge(
             "llmgw_router_held_requests",
             "Requests held for a model scaled to zero, by model.",

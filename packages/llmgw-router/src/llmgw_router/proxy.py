@@ -36,7 +36,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -276,11 +275,12 @@ class ProxyApp:
         self._block_bytes = config.cache_aware.block_bytes
         self._max_blocks = config.cache_aware.max_blocks
         # Precise matching: the tokenizers named by cache_aware.tokenizers (the config
-        # check loaded each once already, so these load).
+        # check loaded each once already, so these load), shared with /v1/match.
         self._tokenizers = (
             {
-                model: PromptTokenizer(Path(folder))
-                for model, folder in config.cache_aware.tokenizers.items()
+                model: tokenizer
+                for model in config.cache_aware.tokenizers
+                if (tokenizer := state.tokenizer(model)) is not None
             }
             if self._cache_aware
             else {}
@@ -620,7 +620,7 @@ class ProxyApp:
             if prompt:
                 tokenizer = self._tokenizers.get(model)
                 if tokenizer is not None:
-                    ctx.tokens = self._prompt_tokens(tokenizer, head)
+                    ctx.tokens = await self._prompt_tokens(tokenizer, head)
                 if ctx.tokens is not None:
                     # Blocks of block_bytes / 4 tokens (about as much prompt).
                     ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
@@ -629,15 +629,16 @@ class ProxyApp:
                     ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
         return ctx
 
-    def _prompt_tokens(
+    async def _prompt_tokens(
         self, tokenizer: PromptTokenizer, head: _RequestHeadWithPrompt
     ) -> PromptBlocks | None:
-        """The prompt as the engine tokenizes it; None when not known here."""
+        """The prompt as the engine tokenizes it; None when not known here. Prefixes
+        tokenized before come from the cache; a long new part is encoded off the loop."""
         try:
             if head.messages:
-                tokens = tokenizer.chat(msgspec.json.decode(head.messages))
+                tokens = await tokenizer.chat_async(msgspec.json.decode(head.messages))
             else:
-                tokens = tokenizer.completion(msgspec.json.decode(head.prompt))
+                tokens = await tokenizer.completion_async(msgspec.json.decode(head.prompt))
         except (msgspec.DecodeError, RecursionError):
             return None
         if not tokens:

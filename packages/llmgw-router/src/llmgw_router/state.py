@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import structlog
 
@@ -23,6 +24,7 @@ from llmgw_router.outlier import (
     record_failure,
     record_success,
 )
+from llmgw_router.tokens import PromptTokenizer, TokenCache
 
 __all__ = ["ControlStatus", "RouterState", "now"]
 
@@ -58,6 +60,12 @@ class RouterState:
         self.budget = RetryBudget(
             config.retries.budget_ratio, config.retries.budget_min_per_second, now=now()
         )
+        # Precise matching: each model's tokenizer, loaded once and shared by the proxy
+        # and /v1/match, and one cache of prompt segments' tokens for them all.
+        self.token_cache = TokenCache(
+            config.cache_aware.token_cache_bytes, on_use=self._count_tokens
+        )
+        self._tokenizers: dict[str, PromptTokenizer] = {}
         ejection = config.ejection
         self.outlier_policy = OutlierPolicy(
             consecutive_failures=ejection.consecutive_failures,
@@ -84,6 +92,26 @@ class RouterState:
     def demand(self, model: str) -> None:
         for callback in self.on_demand:
             callback(model)
+
+    # ------------------------------------------------------------------ precise matching
+
+    def tokenizer(self, model: str) -> PromptTokenizer | None:
+        """``model``'s tokenizer (cache_aware.tokenizers; loaded on first use, the config
+        check loaded it once already); None for a model without one."""
+        tokenizer = self._tokenizers.get(model)
+        if tokenizer is None:
+            folder = self.config.cache_aware.tokenizers.get(model)
+            if folder is None:
+                return None
+            tokenizer = self._tokenizers[model] = PromptTokenizer(Path(folder), self.token_cache)
+        return tokenizer
+
+    def _count_tokens(self, cached: int, encoded: int) -> None:
+        metrics = self.metrics
+        if cached:
+            metrics.child(metrics.token_cache_tokens, "cache").inc(cached)
+        if encoded:
+            metrics.child(metrics.token_cache_tokens, "encoded").inc(encoded)
 
     # ------------------------------------------------------------------ snapshots
 

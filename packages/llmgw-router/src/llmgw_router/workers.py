@@ -75,7 +75,9 @@ log = structlog.get_logger(__name__)
 # Gauges that count something per worker and add up; every other gauge describes the
 # fleet (endpoint states, snapshot version, engine load), is the same in every worker
 # and is shown once (the highest value).
-SUMMED_GAUGES = frozenset({"llmgw_router_in_flight", "llmgw_router_held_requests"})
+SUMMED_GAUGES = frozenset(
+    {"llmgw_router_in_flight", "llmgw_router_held_requests", "llmgw_router_token_cache_bytes"}
+)
 
 
 def worker_count(cfg: RouterConfig) -> int:
