@@ -177,13 +177,21 @@ async def test_certificates_that_do_not_say_who_they_are_are_refused(
         assert "unreadable certificate identity" in agent.closed_by_server[0], what
         assert not agent.acks, f"{what}: got a RegisterAck"
 
+    # EndpointService too: a router name without OU=router is nobody.
+    no_ou_router = signed(ca, odd, "router-no-ou", [ORG, attr(cn, "edge-1")])
+    demand = v1.DemandRequest(router_id="edge-1", model="m")
+    status = await send_first(control.grpc_port, no_ou_router, demand, DEMAND)
+    assert status == grpclib.const.Status.PERMISSION_DENIED
+
     # The real node was never replaced: one stream, still open, the only node known.
     assert honest.connected.is_set()
     assert honest.closed_by_server == []
     assert len(honest.acks) == 1
     status = await control.status()
     assert [(n["node_id"], n["state"]) for n in status["nodes"]] == [("gpu-a", "READY")]
-    assert refusals(await metrics(control), "agent", "identity") >= len(agents)
+    text = await metrics(control)
+    assert refusals(text, "agent", "identity") >= len(agents)
+    assert refusals(text, "watch", "identity") == 1
     log = control.proc.output()
     assert "no common name" in log
     assert "spiffe://llmgw/node/gpu-a" in log
@@ -198,8 +206,13 @@ async def test_a_router_certificate_cannot_send_a_huge_first_message(
     router = issue(tmp_path / "ca", "router", "edge-1", out=tmp_path / "r")
     ctx = client_context(router.cert, router.key, ca.cert)
     huge = v1.AgentMessage(register=v1.Register(node_id="edge-1", labels={"x": "y" * (48 * MiB)}))
+    before = peak_rss(control)
     status = await send_first(control.grpc_port, ctx, huge)
     assert status == grpclib.const.Status.PERMISSION_DENIED
+    # Not read: the control plane's peak memory did not take the 48 MiB (at most one
+    # HTTP/2 window, 4 MiB, is in flight before the refusal).
+    grew = peak_rss(control) - before
+    assert grew < 24 * MiB, f"peak RSS grew by {grew / MiB:.1f} MiB"
 
 
 CONNECT = (
@@ -248,6 +261,14 @@ async def send_first(
     return None
 
 
+def peak_rss(control: Any) -> int:
+    """The control plane process's peak resident memory so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{control.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
 def state_bytes(tmp_path: Path) -> int:
     return sum(f.stat().st_size for f in (tmp_path / "control-state").rglob("*") if f.is_file())
 
@@ -264,8 +285,11 @@ async def test_messages_over_the_bound_are_refused_from_their_prefix(
     big = v1.AgentMessage(
         register=v1.Register(node_id="gpu-big", labels={"blob": "x" * (16 * MiB)})
     )
+    before = peak_rss(control)
     status = await send_first(control.grpc_port, as_node(tmp_path, "gpu-big"), big)
     assert status == grpclib.const.Status.RESOURCE_EXHAUSTED
+    grew = peak_rss(control) - before
+    assert grew < 24 * MiB, f"peak RSS grew by {grew / MiB:.1f} MiB: the 16 MiB was read"
     # A router's 5 MiB ReportDemand, on the other service.
     router = issue(tmp_path / "ca", "router", "edge-1", out=tmp_path / "r")
     demand = v1.DemandRequest(router_id="edge-1", model="m" * (5 * MiB))
