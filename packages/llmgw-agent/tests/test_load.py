@@ -203,3 +203,21 @@ async def test_agent_reports_an_engines_load_changes_on_its_stream(
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=30)
+
+
+def test_the_cache_size_in_tokens_each_engine_reports() -> None:
+    """vLLM: cache_config_info's num_gpu_blocks x block_size (an info metric's labels);
+    SGLang: max_total_num_tokens; llama.cpp says nothing (0)."""
+    info = (
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+        'num_gpu_blocks="1088",prefix_caching_hash_algo="sha256"} 1.0\n'
+    )
+    vllm = engine_load(VLLM_BUSY + info, VLLM.load, shard_id="s", generation=1)
+    assert vllm.cache_tokens == 1088 * 16
+    assert engine_load(VLLM_BUSY, VLLM.load, shard_id="s", generation=1).cache_tokens == 0
+    broken = info.replace('"1088"', '"None"')
+    assert engine_load(VLLM_BUSY + broken, VLLM.load, shard_id="s", generation=1).cache_tokens == 0
+    sglang = SGLANG_TEXT + 'sglang:max_total_num_tokens{model_name="m"} 471258.0\n'
+    assert engine_load(sglang, SGLANG.load, shard_id="s", generation=1).cache_tokens == 471258
+    ll = engine_load(LLAMACPP_TEXT, LLAMACPP.load, shard_id="s", generation=1)
+    assert ll.cache_tokens == 0

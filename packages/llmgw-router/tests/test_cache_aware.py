@@ -25,6 +25,9 @@ class Cand:
     generation: int = 0
     up: bool = True
     awaiting_first: int = 0
+    cache_blocks: int = 0
+    pending: float = 0.0
+    block_time: float = 0.0
 
 
 def usable(c: Cand) -> bool:

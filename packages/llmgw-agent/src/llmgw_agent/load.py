@@ -2,8 +2,8 @@
 
 Every ``interval`` (RegisterAck.load_interval, else agent.yaml's ``load_interval``,
 250 ms by default) the agent reads the Prometheus metrics of each READY or DRAINING
-engine on loopback: running and waiting requests, KV-cache use and prefix-cache
-lookups and hits, under each engine's own names (:class:`llmgw_agent.adapters.LoadMetrics`).
+engine on loopback: running and waiting requests, KV-cache use, prefix-cache
+lookups and hits and the KV cache's size in tokens, under each engine's own names (:class:`llmgw_agent.adapters.LoadMetrics`).
 Only engines whose figures changed go up, batched into one LoadReport per round; an
 engine whose metrics cannot be read is reported once as ``known=false``. ``generation``
 is the engine process's launch time in milliseconds: it changes when the engine is
@@ -26,7 +26,7 @@ from llmgw_proto import v1
 from llmgw_agent.adapters import LoadMetrics
 from llmgw_agent.probe import http_get
 
-__all__ = ["LoadReporter", "LoadSource", "engine_load", "metric_values"]
+__all__ = ["LoadReporter", "LoadSource", "engine_load", "info_cache_tokens", "metric_values"]
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +70,26 @@ def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
+def info_cache_tokens(text: str, name: str) -> int:
+    """The KV cache in tokens from an info metric's ``num_gpu_blocks`` and ``block_size``
+    labels (vLLM's ``cache_config_info``); 0 when absent or not numbers."""
+    head = name + "{"
+    for line in text.splitlines():
+        if not line.startswith(head):
+            continue
+        labels: dict[str, str] = {}
+        for part in line[len(head) : line.rfind("}")].split(","):
+            key, sep, value = part.partition("=")
+            if sep:
+                labels[key.strip()] = value.strip().strip('"')
+        try:
+            blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+        except (KeyError, ValueError):
+            return 0
+        return max(0, blocks) * max(0, size)
+    return 0
+
+
 def engine_load(
     text: str, metrics: LoadMetrics, *, shard_id: str, generation: int
 ) -> v1.EngineLoad:
@@ -80,6 +100,7 @@ def engine_load(
         metrics.kv_cache_usage,
         metrics.prefix_queries,
         metrics.prefix_hits,
+        metrics.cache_tokens,
     )
     values = metric_values(text, names)
     if metrics.running not in values:
@@ -94,6 +115,11 @@ def engine_load(
         prefix_cache_queries=max(0, round(values.get(metrics.prefix_queries, 0.0))),
         prefix_cache_hits=max(0, round(values.get(metrics.prefix_hits, 0.0))),
         generation=generation,
+        cache_tokens=(
+            info_cache_tokens(text, metrics.cache_info)
+            if metrics.cache_info
+            else max(0, round(values.get(metrics.cache_tokens, 0.0)))
+        ),
     )
 
 
@@ -118,6 +144,7 @@ def _key(load: v1.EngineLoad) -> tuple[object, ...]:
         load.prefix_cache_queries,
         load.prefix_cache_hits,
         load.generation,
+        load.cache_tokens,
     )
 
 

@@ -47,6 +47,8 @@ class Figures:
     # The agent's generation of the engine process: a change means an empty cache.
     agent_generation: int
     at: float
+    # The engine's KV cache in tokens (0: it does not say).
+    cache_tokens: int = 0
 
     def as_json(self, age: float) -> dict[str, Any]:
         return {
@@ -56,6 +58,7 @@ class Figures:
             "kv_cache_usage": round(self.kv_cache_usage, 4),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            "cache_tokens": self.cache_tokens,
             "age": round(age, 3),
         }
 
@@ -114,6 +117,7 @@ class LoadBook:
                 e.prefix_cache_hits,
                 e.generation,
                 now,
+                e.cache_tokens,
             )
             self._touch(e.shard_id)
 
@@ -253,6 +257,7 @@ class LoadBook:
             prefix_cache_hits=f.prefix_cache_hits,
             generation=generation,
             age=dt.timedelta(seconds=max(self.age(f, now), 0.0)),
+            cache_tokens=f.cache_tokens,
         )
 
     def _full_cache(self, endpoint_id: str) -> v1.EndpointCache:

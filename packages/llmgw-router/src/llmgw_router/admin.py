@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llmgw_router.balancers import CacheAware
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.state import RouterState
 from llmgw_router.tokens import PromptBlocks
@@ -72,6 +73,10 @@ def admin_app(state: RouterState) -> Starlette:
             {"ready": True, "endpoints": len(endpoints), "version": endpoints.version}
         )
 
+    def footprint(ep: Endpoint) -> int:
+        balancer = state.balancer
+        return balancer.footprint(ep) if isinstance(balancer, CacheAware) else 0
+
     def engine_view(ep: Endpoint, now: float) -> dict[str, Any] | None:
         engine = ep.fresh_engine(now)
         if engine is None:
@@ -119,6 +124,15 @@ def admin_app(state: RouterState) -> Starlette:
                         "healthy": ep.healthy,
                         "outstanding": ep.outstanding,
                         "awaiting_first_byte": ep.awaiting_first,
+                        # cache_aware's predicted time to first token: the engine's cache
+                        # (tokens, as reported or configured; 0 unknown) and in prefix
+                        # blocks, this router's live prefix blocks there, its prefill
+                        # queued there (blocks) and the learnt seconds per block.
+                        "cache_tokens": ep.cache_tokens,
+                        "cache_blocks": ep.cache_blocks,
+                        "live_prefix_blocks": footprint(ep),
+                        "pending_prefill_blocks": round(ep.pending_blocks, 1),
+                        "block_time": round(ep.learned_block_time, 6),
                         "consecutive_failures": ep.outlier.consecutive_failures,
                         "ejections": ep.outlier.ejections,
                         "ejected_for": round(max(0.0, ep.outlier.ejected_until - now), 3),

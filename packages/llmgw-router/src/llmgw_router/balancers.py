@@ -11,19 +11,22 @@ import hashlib
 import math
 import random
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from llmgw_router.config import CacheAwareConfig
 
 __all__ = [
+    "REASONS",
     "Balancer",
     "CacheAware",
     "Candidate",
     "LeastOutstanding",
     "LoadedCandidate",
+    "Pick",
     "RoundRobin",
     "SessionAffinity",
     "make_balancer",
@@ -43,9 +46,54 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
+# Why a balancer chose what it chose (Pick.reason), each counted in
+# llmgw_router_picks_total{reason} and named in the request's log line.
+REASONS = (
+    # cache_aware, a prompt with a prefix:
+    "holder",  # an endpoint this router sent the prefix to (the longest match)
+    "engine_cache",  # the engine that reports the prompt's blocks cached (precise)
+    "rendezvous",  # a new prefix's home: its first rendezvous choice
+    "capacity",  # a new prefix's home: the first rendezvous choice with room in its cache
+    "home_again",  # a spilled prefix back at its first rendezvous choice
+    "predicted_ttft",  # another endpoint's predicted time to first token was lower
+    "hot_spread",  # a hot prefix spread over its rendezvous choices, least loaded first
+    "bound_holder",  # over the bound: the least loaded holder within it
+    "bound_spill",  # over the bound: the next of the ranking within it
+    "bound_least_loaded",  # every endpoint over the bound: the least loaded
+    "distinct",  # prompts that share nothing: the fewest awaiting a first token
+    # any balancer:
+    "least_loaded",  # no prefix (or least_outstanding): the least loaded
+    "only",  # one usable candidate
+    "round_robin",
+    "session",  # session_affinity: the key's rendezvous owner
+    "none",  # no candidate usable
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Pick(Generic[C]):
+    """A balancer's choice and why (one of :data:`REASONS`). ``miss``: cache_aware's
+    estimate of the prompt's prefix blocks the chosen engine does not hold (what it
+    must prefill), 0 where not estimated."""
+
+    endpoint: C | None
+    reason: str
+    miss: int = 0
+
+
 class Balancer(Generic[C]):
     """``cached``, with precise matching: per candidate, how many leading token blocks of
     the request's prompt its engine reports cached, -1 where the engine reports none."""
+
+    def choose(
+        self,
+        candidates: Sequence[C],
+        usable: Callable[[C], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
+        cached: Callable[[C], int] | None = None,
+    ) -> Pick[C]:
+        raise NotImplementedError
 
     def pick(
         self,
@@ -55,7 +103,7 @@ class Balancer(Generic[C]):
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
     ) -> C | None:
-        raise NotImplementedError
+        return self.choose(candidates, usable, key, prefix, cached).endpoint
 
     def forget(self, endpoint_id: str) -> None:
         """The engine behind ``endpoint_id`` changed: drop what was learnt about it."""
@@ -99,15 +147,16 @@ class LeastOutstanding(Balancer[C]):
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def pick(
+    def choose(
         self,
         candidates: Sequence[C],
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
-    ) -> C | None:
-        return least_outstanding([c for c in candidates if usable(c)], self.rng)
+    ) -> Pick[C]:
+        chosen = least_outstanding([c for c in candidates if usable(c)], self.rng)
+        return Pick(chosen, "least_loaded" if chosen is not None else "none")
 
 
 class RoundRobin(Balancer[C]):
@@ -116,19 +165,19 @@ class RoundRobin(Balancer[C]):
     def __init__(self) -> None:
         self.counter = 0
 
-    def pick(
+    def choose(
         self,
         candidates: Sequence[C],
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
-    ) -> C | None:
+    ) -> Pick[C]:
         ready = [c for c in candidates if usable(c)]
         if not ready:
-            return None
+            return Pick(None, "none")
         self.counter += 1
-        return ready[(self.counter - 1) % len(ready)]
+        return Pick(ready[(self.counter - 1) % len(ready)], "round_robin")
 
 
 def _unit_hash(key: str, endpoint_id: str) -> float:
@@ -158,19 +207,20 @@ class SessionAffinity(Balancer[C]):
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def pick(
+    def choose(
         self,
         candidates: Sequence[C],
         usable: Callable[[C], bool],
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
-    ) -> C | None:
+    ) -> Pick[C]:
         if key:
             owner = rendezvous_owner(candidates, key)
             if owner is not None and usable(owner):
-                return owner
-        return least_outstanding([c for c in candidates if usable(c)], self.rng)
+                return Pick(owner, "session")
+        chosen = least_outstanding([c for c in candidates if usable(c)], self.rng)
+        return Pick(chosen, "least_loaded" if chosen is not None else "none")
 
 
 class LoadedCandidate(Candidate, Protocol):
@@ -180,6 +230,20 @@ class LoadedCandidate(Candidate, Protocol):
     def awaiting_first(self) -> int: ...
     @property
     def generation(self) -> int: ...
+    @property
+    def cache_blocks(self) -> int:
+        """The engine's prefix cache, in prefix blocks; 0 when not known."""
+        ...
+
+    @property
+    def pending(self) -> float:
+        """Prefix blocks queued for prefill ahead of a new request there."""
+        ...
+
+    @property
+    def block_time(self) -> float:
+        """Seconds the engine takes to prefill one prefix block (learned); 0: not known."""
+        ...
 
 
 L = TypeVar("L", bound=LoadedCandidate)
@@ -196,21 +260,24 @@ def _mix(x: int) -> int:
 
 
 class _PrefixIndex:
-    """Prefix blocks this router recently sent to one endpoint, with when (a counter)."""
+    """Prefix blocks this router sent to one endpoint, least recently sent first (an LRU
+    as large as the engine's cache where that is known, so what it drops the engine has
+    most likely evicted too), and of them the ``live`` ones: sent within the horizon."""
 
-    __slots__ = ("blocks", "generation", "tick")
+    __slots__ = ("blocks", "generation", "live")
 
     def __init__(self, generation: int) -> None:
         self.generation = generation
-        self.blocks: dict[int, int] = {}
-        self.tick = 0
+        self.blocks: OrderedDict[int, int] = OrderedDict()
+        self.live: OrderedDict[int, int] = OrderedDict()
 
     def match(self, prefix: Sequence[int]) -> int:
         """How many leading blocks of ``prefix`` were sent here.
 
         Block hashes are chained (each covers the whole prefix up to it), and a block is
-        evicted no earlier than the deeper blocks recorded with it, so presence is
-        monotone along the prefix and a binary search finds its end.
+        evicted no earlier than the deeper blocks recorded with it (they are recorded
+        deepest first, so the shallower are the more recent), so presence is monotone
+        along the prefix and a binary search finds its end.
         """
         blocks = self.blocks
         if not prefix or prefix[0] not in blocks:
@@ -224,14 +291,26 @@ class _PrefixIndex:
                 hi = mid - 1
         return lo
 
-    def record(self, prefix: Sequence[int], capacity: int) -> None:
-        self.tick += 1
-        self.blocks.update(dict.fromkeys(prefix, self.tick))
-        if len(self.blocks) > capacity:
-            # The least recently sent quarter goes at once: eviction costs O(1) a block.
-            keep = max(1, capacity * 3 // 4)
-            recent = sorted(self.blocks.items(), key=lambda kv: kv[1])[-keep:]
-            self.blocks = dict(recent)
+    def record(self, prefix: Sequence[int], capacity: int, tick: int) -> None:
+        blocks, live = self.blocks, self.live
+        for block in reversed(prefix):
+            blocks[block] = tick
+            blocks.move_to_end(block)
+            live[block] = tick
+            live.move_to_end(block)
+        while len(blocks) > capacity:
+            old, _ = blocks.popitem(last=False)
+            live.pop(old, None)
+
+    def footprint(self, since: int) -> int:
+        """Blocks sent here at tick ``since`` or later and not evicted since."""
+        live = self.live
+        while live:
+            block = next(iter(live))
+            if live[block] >= since:
+                break
+            del live[block]
+        return len(live)
 
 
 class CacheAware(Balancer[L]):
@@ -271,7 +350,24 @@ class CacheAware(Balancer[L]):
       it takes the request (a cache hit still), else the next endpoint of the ranking
       within it (rendezvous order: every router spills a prefix to the same second home,
       which then holds it), else the least loaded.
+    - Capacity: where an engine's cache size is known (``cache_blocks``, in prefix
+      blocks), what this router remembers sending there is an LRU of that size (what it
+      drops, the engine has most likely evicted: a prefix that no longer fits is no
+      longer counted as held), and a new prefix's home is the first of its rendezvous
+      choices whose live prefixes (blocks sent within the last ``window`` picks) still
+      leave room for it; where none has room, its first rendezvous choice.
+    - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
+      block_time * evicted``: the prefill queued there, the prompt's blocks it does not
+      hold, and the live blocks of other prefixes this one would push out of a full cache
+      (each a prefill again later). Within the bound, another endpoint takes the request
+      from the ranking's first only where its prediction is lower, by more than the
+      prompt's whole prefill for a new prefix (leaving the shared rule costs a copy), and
+      only among those with room where the first has room. A holder therefore keeps its
+      prefix until its queue costs more than the prefill moving would cost.
     - Without a prefix (embeddings), the least loaded takes it.
+
+    Every pick returns its reason (:data:`REASONS`) and the prompt's blocks the chosen
+    engine is predicted to prefill (``Pick.miss``).
 
     An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
     """
@@ -284,9 +380,13 @@ class CacheAware(Balancer[L]):
         affinity_blocks: int = 8,
         index_blocks: int = 16384,
         window: int = 256,
+        block_time: float = 0.0064,
         rng: random.Random | None = None,
     ) -> None:
         self.epsilon = epsilon
+        # The prior for a candidate that has no learned rate: seconds per prefix block.
+        self.block_time = block_time
+        self._tick = 0
         self.slack = slack
         self.affinity_blocks = affinity_blocks
         self.index_blocks = index_blocks
@@ -330,7 +430,16 @@ class CacheAware(Balancer[L]):
                 # Endpoints come and go; the oldest entry is the likeliest to be gone.
                 self._indexes.pop(next(iter(self._indexes)))
             index = self._indexes[c.id] = _PrefixIndex(c.generation)
-        index.record(prefix, self.index_blocks)
+        self._tick += 1
+        capacity = c.cache_blocks
+        limit = min(self.index_blocks, capacity) if capacity > 0 else self.index_blocks
+        index.record(prefix, max(1, limit), self._tick)
+
+    def footprint(self, c: L) -> int:
+        """Prefix blocks this router sent to ``c`` within the last ``window`` picks and
+        still in its (modelled) cache: its live prefixes."""
+        index = self._index(c)
+        return index.footprint(self._tick - self.window + 1) if index is not None else 0
 
     def _ident(self, endpoint_id: str) -> int:
         ident = self._id_hashes.get(endpoint_id)
@@ -381,10 +490,13 @@ class CacheAware(Balancer[L]):
         scored.sort(reverse=True)
         return [r[2] for r in scored]
 
-    def _matches(self, ready: Sequence[L], prefix: Sequence[int], depth: int) -> list[int]:
+    def _matches(
+        self, ready: Sequence[L], prefix: Sequence[int], depth: int
+    ) -> tuple[list[int], list[int]]:
         """Per candidate: leading blocks of ``prefix`` sent there, 0 when no more than the
-        rendezvous block covers (there hashing decides)."""
+        rendezvous block covers (there hashing decides); and the same without that floor."""
         out = [0] * len(ready)
+        raw = [0] * len(ready)
         indexes = self._indexes
         for i, c in enumerate(ready):
             index = indexes.get(c.id)
@@ -393,57 +505,82 @@ class CacheAware(Balancer[L]):
             if index.generation != c.generation:
                 del indexes[c.id]
                 continue
-            match = index.match(prefix)
+            match = raw[i] = index.match(prefix)
             if match > depth:
                 out[i] = match
-        return out
+        return out, raw
 
     def bound(self, load_total: float, weight: int, weight_total: int, n: int) -> float:
         """The most load an endpoint of ``weight`` may have with this request on it."""
         share = (load_total + 1.0) * weight / weight_total
         return math.ceil((1.0 + self.epsilon) * share) + self.slack * weight * n / weight_total
 
-    def pick(
+    def choose(
         self,
         candidates: Sequence[L],
         usable: Callable[[L], bool],
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[L], int] | None = None,
-    ) -> L | None:
+    ) -> Pick[L]:
         ready = [c for c in candidates if usable(c)]
         if not ready:
-            return None
+            return Pick(None, "none")
+        miss = 0
         if len(ready) == 1:
-            chosen = ready[0]
+            chosen, reason = ready[0], "only"
+            if prefix:
+                miss = len(prefix) - self.matched(chosen, prefix)
         elif prefix:
-            chosen = ready[self._pick_prefix(ready, prefix, cached)]
+            at, reason, miss = self._pick_prefix(ready, prefix, cached)
+            chosen = ready[at]
         else:
             per_load = [c.load / max(1, c.weight) for c in ready]
             least = min(per_load)
             chosen = self.rng.choice(
                 [c for c, load in zip(ready, per_load, strict=True) if load == least]
             )
+            reason = "least_loaded"
         self._record(chosen, prefix)
-        return chosen
+        return Pick(chosen, reason, miss)
 
     @staticmethod
-    def _engine_matches(ready: Sequence[L], cached: Callable[[L], int]) -> list[int] | None:
+    def _engine_matches(
+        ready: Sequence[L], cached: Callable[[L], int]
+    ) -> tuple[list[int] | None, list[int]]:
         """Per candidate, its engine's cached blocks of the prompt beyond what every
         reporting engine holds (a shared head, the chat template's, makes no holder);
-        None when no engine reports its cache or none holds more than the rest."""
+        None when no engine reports its cache or none holds more than the rest. And the
+        blocks each reports cached (0 where it reports none)."""
         reported = [cached(c) for c in ready]
+        held = [max(0, m) for m in reported]
         views = [m for m in reported if m >= 0]
         if not views:
-            return None
+            return None, held
         floor = min(views) if len(views) == len(reported) else 0
         out = [max(0, m - floor) for m in reported]
-        return out if any(out) else None
+        return (out if any(out) else None), held
+
+    def _costs(
+        self, ready: Sequence[L], miss: Sequence[int], room: Sequence[int | None]
+    ) -> list[float]:
+        """Per candidate, the predicted time to its first token (see the class docstring)."""
+        out = []
+        for c, m, free in zip(ready, miss, room, strict=True):
+            rate = c.block_time
+            t = rate if rate > 0 else self.block_time
+            cost = t * (c.pending + m)
+            if free is not None and m > free:
+                cost += t * min(m, m - free)
+            out.append(cost)
+        return out
 
     def _pick_prefix(
         self, ready: Sequence[L], prefix: Sequence[int], cached: Callable[[L], int] | None = None
-    ) -> int:
+    ) -> tuple[int, str, int]:
+        """The chosen candidate's position, why, and its predicted prefill in blocks."""
         n = len(ready)
+        size = len(prefix)
         loads = [c.load for c in ready]
         weights = [max(1, c.weight) for c in ready]
         per_load = [load / w for load, w in zip(loads, weights, strict=True)]
@@ -453,13 +590,20 @@ class CacheAware(Balancer[L]):
         order = self._rendezvous(ready, block)
         # Precise: where the engines report their caches and one holds more of this
         # prompt than the others, that is what holds it; else what this router sent.
-        engine = self._engine_matches(ready, cached) if cached is not None else None
+        engine: list[int] | None = None
+        if cached is not None:
+            engine, held = self._engine_matches(ready, cached)
         if engine is not None:
             self.engine_cache_picks += 1
-        match = engine if engine is not None else self._matches(ready, prefix, depth)
+            match = engine
+        else:
+            match, held = self._matches(ready, prefix, depth)
+        miss = [size - min(size, h) for h in held]
         # Holders: the longer match first, equals in rendezvous order (sort is stable).
         holders = sorted((i for i in order if match[i]), key=lambda i: -match[i])
         need = min(n, math.ceil(self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
+        room: list[int | None] | None = None
+        new = False
         if need > 1:
             # A hot prefix: its first `need` rendezvous choices and its holders, least
             # loaded first, equals in turn (a counter: two routers with one history agree).
@@ -470,45 +614,99 @@ class CacheAware(Balancer[L]):
             turn = self._turn % len(tied)
             ranking = tied[turn:] + tied[:turn] + spread[len(tied) :]
             ranking += [i for i in order if i not in group]
+            reason = "hot_spread"
         else:
             rest = [i for i in order if not match[i]]
             if not holders:
                 # A prefix this router has not sent anywhere yet: its first rendezvous
-                # choice, whatever the loads (the bound below aside), so every router
-                # of a fleet places it alike. Where prompts share nothing (nothing
-                # recurs, nothing to agree on): the least loaded first, ties in
-                # rendezvous order.
+                # choice with room for it, whatever the loads (the bound and the
+                # predicted times below aside), so every router of a fleet places it
+                # alike. Where prompts share nothing (nothing recurs, nothing to agree
+                # on): the least loaded first, ties in rendezvous order.
                 if self._mostly_distinct():
                     rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
-                ranking = rest
+                    ranking, reason = rest, "distinct"
+                else:
+                    room = self._room(ready)
+                    fits = [i for i in rest if (free := room[i]) is None or free >= miss[i]]
+                    if fits and fits[0] != rest[0]:
+                        ranking = fits + [i for i in rest if i not in fits]
+                        reason = "capacity"
+                    else:
+                        ranking, reason = rest, "rendezvous"
+                    new = True
             elif (
                 engine is None
                 and not match[order[0]]
                 and per_load[order[0]] <= per_load[holders[0]]
+                and (
+                    (free := (room := self._room(ready))[order[0]]) is None
+                    or free >= miss[order[0]]
+                )
             ):
                 # Held elsewhere but not at its first rendezvous choice (it went to the
                 # second when home was over the bound, or another router sent it
                 # there): home again once home is no more loaded than the holder. Every
                 # router of a fleet then converges on one home for the prefix, and the
                 # copies elsewhere age out of those caches. (Where the engines report
-                # their caches, every router sees the same holder: it stays there.)
+                # their caches, every router sees the same holder: it stays there. And
+                # not where home has no room for it: capacity placed it away from home.)
                 ranking = [order[0], *holders, *(i for i in rest if i != order[0])]
+                reason = "home_again"
             else:
                 ranking = holders + rest
+                reason = "engine_cache" if engine is not None else "holder"
         total = sum(loads)
         weight_total = sum(weights)
         first = ranking[0]
         if self.within(loads[first], total, weights[first], weight_total, n):
-            return first
+            if reason in ("hot_spread", "distinct", "home_again"):
+                # Rules every router applies alike (the spread of a hot prefix, the way
+                # back to a prefix's first choice) or where nothing recurs.
+                return first, reason, miss[first]
+            # Predicted time to first token: another endpoint within the bound takes it
+            # where it would answer sooner (by a whole prefill of the prompt for a new
+            # prefix: leaving the rule every router shares costs a copy elsewhere); among
+            # those with room for it where the first has room.
+            if room is None:
+                room = self._room(ready)
+            costs = self._costs(ready, miss, room)
+            rate = ready[first].block_time
+            margin = (rate if rate > 0 else self.block_time) * miss[first] if new else 0.0
+            first_fits = (free := room[first]) is None or free >= miss[first]
+            best = first
+            for i in ranking:
+                if i == first or not self.within(loads[i], total, weights[i], weight_total, n):
+                    continue
+                if first_fits and (free := room[i]) is not None and free < miss[i]:
+                    continue
+                if costs[i] + margin < costs[first] and (best == first or costs[i] < costs[best]):
+                    best = i
+            if best != first:
+                return best, "predicted_ttft", miss[best]
+            return first, reason, miss[first]
         # Over the bound: the least loaded holder within it (the prefix is cached there),
         # else the next of the ranking within it (in rendezvous order, so every router
         # spills a prefix to the same second home, which then holds it), else the least
         # loaded of all; ties go to the earlier in the ranking.
         within = [i for i in ranking if self.within(loads[i], total, weights[i], weight_total, n)]
-        held = [i for i in within if match[i]]
-        if held:
-            return min(held, key=per_load.__getitem__)
-        return within[0] if within else min(ranking, key=per_load.__getitem__)
+        held_within = [i for i in within if match[i]]
+        if held_within:
+            at = min(held_within, key=per_load.__getitem__)
+            return at, "bound_holder", miss[at]
+        if within:
+            return within[0], "bound_spill", miss[within[0]]
+        at = min(ranking, key=per_load.__getitem__)
+        return at, "bound_least_loaded", miss[at]
+
+    def _room(self, ready: Sequence[L]) -> list[int | None]:
+        """Per candidate, the blocks its cache has left beside its live prefixes (None:
+        its cache size is not known)."""
+        out: list[int | None] = []
+        for c in ready:
+            capacity = c.cache_blocks
+            out.append(capacity - self.footprint(c) if capacity > 0 else None)
+        return out
 
     @staticmethod
     def _queue(

@@ -114,6 +114,7 @@ def serve(
             profile=e.profile,
             weight=e.weight,
             health_path=e.health_path,
+            cache_tokens=e.cache_tokens,
         )
         for e in cfg.endpoints
     )

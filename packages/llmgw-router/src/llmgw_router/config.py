@@ -134,6 +134,10 @@ class CacheAwareConfig(BaseConfig):
     window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
     # Prefix blocks remembered per endpoint of what this router sent (LRU).
     index_blocks: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 16384
+    # Prompt bytes per engine token, to count an engine's cache (reported or configured
+    # in tokens) in prefix blocks of block_bytes; 4 for English text with common
+    # tokenizers. (With a tokenizer, blocks are block_bytes / 4 tokens: leave it at 4.)
+    bytes_per_token: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 4.0
     # Precise matching: served model name -> the folder of its tokenizer files (what the
     # engine loads: tokenizer.json, tokenizer_config.json). The router then tokenizes that
     # model's prompts as the engine does and matches them against the blocks the engines
@@ -188,6 +192,10 @@ class EndpointConfig(BaseConfig):
     profile: str = "static"
     weight: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 1
     health_path: str = "/health"
+    # The engine's KV cache in tokens (vLLM: num_gpu_blocks x block_size), for
+    # cache_aware's capacity-aware placement; 0: not known (engines behind a control
+    # plane report it themselves).
+    cache_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
 
 
 class ControlConfig(BaseConfig):

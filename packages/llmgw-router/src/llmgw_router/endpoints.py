@@ -32,6 +32,8 @@ class EngineLoad:
     generation: int = 0
     # On the router's clock (time.monotonic): when the engine's figures were read.
     measured_at: float = 0.0
+    # The engine's KV cache, in tokens (vLLM: num_gpu_blocks x block_size); 0: not told.
+    cache_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,8 @@ class EndpointSpec:
     labels: tuple[tuple[str, str], ...] = ()
     # Changes whenever the engine process behind the endpoint changes (0: not told).
     generation: int = 0
+    # The engine's KV cache in tokens, as configured (static endpoints); 0: not told.
+    cache_tokens: int = 0
     # The engine's secret, sent upstream as Authorization: Bearer (from the control
     # plane); never shown (/v1/endpoints, logs) and never the client's own header.
     api_key: str = field(default="", repr=False)
@@ -58,6 +62,9 @@ class EndpointSpec:
 class Endpoint:
     # A figure older than this counts as unknown (set once from `load_reports.max_age`).
     load_max_age: ClassVar[float] = 2.0
+    # The engine's tokens in one of cache_aware's prefix blocks (set once from the config:
+    # block_bytes / bytes_per_token), to count an engine's cache in prefix blocks.
+    tokens_per_block: ClassVar[float] = 64.0
 
     spec: EndpointSpec
     outstanding: int = 0
@@ -84,6 +91,13 @@ class Endpoint:
     token_block_size: int = 0
     # The newest engine generation heard of, from the snapshot or a load report.
     engine_generation: int = 0
+    # cache_aware's predicted time to first token: the prefix blocks this router's
+    # requests here still have to prefill (their predicted misses, until their first
+    # byte), the typical miss of a request sent here, and the seconds one block takes
+    # (learned from those requests' times to first byte; 0 until one is measured).
+    pending_blocks: float = 0.0
+    typical_miss: float = 0.0
+    learned_block_time: float = 0.0
 
     @property
     def id(self) -> str:
@@ -104,6 +118,51 @@ class Endpoint:
     @property
     def generation(self) -> int:
         return max(self.spec.generation, self.engine_generation)
+
+    @property
+    def cache_tokens(self) -> int:
+        """The engine's KV cache in tokens: as it reports, else as configured; 0: unknown."""
+        engine = self.engine
+        if engine is not None and engine.cache_tokens > 0:
+            return engine.cache_tokens
+        return self.spec.cache_tokens
+
+    @property
+    def cache_blocks(self) -> int:
+        """The engine's KV cache in cache_aware's prefix blocks; 0: unknown."""
+        return int(self.cache_tokens / self.tokens_per_block)
+
+    @property
+    def pending(self) -> float:
+        """Prefix blocks queued for prefill ahead of a new request here: this router's
+        (predicted), plus, where the engine reports more requests waiting than this router
+        has awaiting a first byte there, those others at this router's typical miss."""
+        pending = self.pending_blocks
+        engine = self.fresh_engine(time.monotonic())
+        if engine is not None and engine.waiting > self.awaiting_first:
+            pending += (engine.waiting - self.awaiting_first) * self.typical_miss
+        return pending
+
+    @property
+    def block_time(self) -> float:
+        return self.learned_block_time
+
+    def begin_prefill(self, miss: int) -> float:
+        """A request predicted to prefill ``miss`` prefix blocks was sent here: the blocks
+        ahead of its first token, its own included."""
+        work = self.pending_blocks + miss
+        self.pending_blocks = work
+        self.typical_miss += 0.1 * (miss - self.typical_miss)
+        return work
+
+    def end_prefill(self, miss: int, work: float, seconds: float | None) -> None:
+        """That request's first byte came after ``seconds`` (None: it failed first)."""
+        self.pending_blocks = max(0.0, self.pending_blocks - miss)
+        if seconds is not None and work >= 8:
+            # Only where the prefill dominates: a hit's first token is mostly a step.
+            sample = seconds / work
+            old = self.learned_block_time
+            self.learned_block_time = sample if old <= 0 else old + 0.1 * (sample - old)
 
     def fresh_engine(self, now: float) -> EngineLoad | None:
         """The engine's figures when they are recent enough to balance on."""

@@ -250,6 +250,14 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.picks = Counter(
+            "llmgw_router_picks",
+            "Endpoint picks, by model and the balancer's reason (holder, rendezvous, "
+            "capacity, predicted_ttft, hot_spread, bound_spill, ...; panic_ prefixed in "
+            "panic mode).",
+            ["model", "reason"],
+            registry=r,
+        )
         self.engine_running = Gauge(
             "llmgw_router_engine_running",
             "Requests running on the engine, as it last reported (absent when unknown).",

@@ -195,6 +195,10 @@ class RequestContext:
     tokens: PromptBlocks | None = None
     tried: list[Endpoint] = field(default_factory=list)
     refused: set[str] = field(default_factory=set)
+    # The balancer's last pick: why, and (cache_aware) the prefix blocks the endpoint is
+    # predicted to prefill.
+    pick_reason: str = ""
+    pick_miss: int = 0
     retries: int = 0
     # The outcome, counted once when the request ends.
     status: int = 0
@@ -692,12 +696,18 @@ class ProxyApp:
         for tier in tiers:
             if not tier:
                 continue
-            ep = balancer.pick(
-                tier, state.usable_among(tier, at), ctx.affinity_key, ctx.prefix, cached
-            )
+            usable = state.usable_among(tier, at)
+            choice = balancer.choose(tier, usable, ctx.affinity_key, ctx.prefix, cached)
+            ep = choice.endpoint
             if ep is not None:
                 # Charged at pick time: a burst between two load reports spreads.
                 ep.sent(at)
+                reason = choice.reason
+                if getattr(usable, "__name__", "") == "panic":
+                    reason = "panic_" + reason
+                ctx.pick_reason, ctx.pick_miss = reason, choice.miss
+                state.metrics.child(state.metrics.picks, ctx.model, reason).inc()
+                log.debug("picked", model=ctx.model, endpoint=ep.id, reason=reason)
                 return ep
         return None
 
@@ -728,6 +738,7 @@ class ProxyApp:
                     model=ctx.model,
                     reason=failure.reason,
                     detail=failure.detail,
+                    pick=ctx.pick_reason,
                 )
             verdict = after_failure(
                 self._retry_policy,
@@ -774,6 +785,9 @@ class ProxyApp:
         ep.outstanding += 1
         ep.awaiting_first += 1
         awaiting = True
+        miss = ctx.pick_miss
+        work = ep.begin_prefill(miss)
+        sent_at = now()
         response: Response | None = None
         clean = False
         try:
@@ -802,6 +816,7 @@ class ProxyApp:
                 # Past the queue and the prefill: the engine is generating for it.
                 ep.awaiting_first -= 1
                 awaiting = False
+                ep.end_prefill(miss, work, now() - sent_at)
             except TimeoutError:
                 raise _UpstreamFailure(
                     "timeout_first_byte",
@@ -818,6 +833,7 @@ class ProxyApp:
             ep.outstanding -= 1
             if awaiting:
                 ep.awaiting_first -= 1
+                ep.end_prefill(miss, work, None)
             ep.finished(now())
             if response is not None:
                 # An unfinished response must not go back to the pool: closing it is

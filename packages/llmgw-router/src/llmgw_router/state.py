@@ -75,6 +75,8 @@ class RouterState:
             panic_threshold=ejection.panic_threshold,
         )
         Endpoint.load_max_age = config.load_reports.max_age
+        cache_aware = config.cache_aware
+        Endpoint.tokens_per_block = cache_aware.block_bytes / cache_aware.bytes_per_token
         self.draining = False
         self.in_flight = 0
         # A router with a control plane has no snapshot until the first one arrives.

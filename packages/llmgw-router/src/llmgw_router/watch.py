@@ -121,6 +121,7 @@ def load_from_wire(load: WireLoad, received_at: float) -> EngineLoad | None:
         prefix_cache_hits=load.prefix_cache_hits,
         generation=load.generation,
         measured_at=received_at - max(0.0, age),
+        cache_tokens=load.cache_tokens,
     )
 
 

@@ -1,0 +1,239 @@
+"""cache_aware when caches are tight: capacity-aware placement, predicted time to first
+token, and every pick's reason. Hypothesis properties and examples."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_router.balancers import (
+    REASONS,
+    CacheAware,
+    LeastOutstanding,
+    Pick,
+    RoundRobin,
+    SessionAffinity,
+)
+from llmgw_router.endpoints import Endpoint, EndpointSpec, EngineLoad
+
+
+@dataclass
+class Cand:
+    id: str
+    weight: int = 1
+    outstanding: int = 0
+    load: float = 0.0
+    generation: int = 0
+    up: bool = True
+    awaiting_first: int = 0
+    cache_blocks: int = 0
+    pending: float = 0.0
+    block_time: float = 0.0
+
+
+def usable(c: Cand) -> bool:
+    return c.up
+
+
+def tenant(t: int, blocks: int, tail: int = 0) -> tuple[int, ...]:
+    """A tenant's prompt as prefix blocks: its own chained hashes, then a unique tail."""
+    head = tuple((t + 1) * 1_000_003 + i for i in range(blocks))
+    return head + tuple(-(t + 1) * 1_000_003 - 7 * tail - i for i in range(1 if tail else 0))
+
+
+# ----- capacity-aware placement -------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(40, 400), min_size=2, max_size=6),
+    st.integers(2, 24),
+    st.integers(4, 40),
+    st.lists(st.integers(0, 23), min_size=1, max_size=120),
+)
+def test_placement_never_overfills_an_engine_while_another_has_room(
+    capacities: list[int], tenants: int, size: int, arrivals: list[int]
+) -> None:
+    """A new prefix never goes where the live prefix blocks would pass the cache the engine
+    reports while another engine within the bound has room for it."""
+    cands = [Cand(f"e{i}", cache_blocks=cap) for i, cap in enumerate(capacities)]
+    balancer = CacheAware[Cand](window=10_000)
+    for k, t in enumerate(arrivals):
+        prompt = tenant(t % tenants, size, tail=k + 1)
+        before = {c.id: balancer.footprint(c) for c in cands}
+        held = any(balancer.matched(c, prompt) > balancer.affinity_blocks for c in cands)
+        picked = balancer.choose(cands, usable, None, prompt)
+        chosen = picked.endpoint
+        assert chosen is not None
+        if held or picked.reason == "hot_spread":
+            continue
+        if before[chosen.id] + len(prompt) > chosen.cache_blocks:
+            # Overfilled: then no other engine had room for it.
+            assert all(before[c.id] + len(prompt) > c.cache_blocks for c in cands), picked
+
+
+def test_tenants_fill_engines_to_their_caches_not_by_hashing() -> None:
+    """Eight tenants over four engines that each hold two: two each, where rendezvous
+    hashing alone puts them unevenly; each stays at its home after."""
+    size = 50
+    cands = [Cand(f"e{i}", cache_blocks=2 * size + 10) for i in range(4)]
+    plain = CacheAware[Cand](window=10_000)
+    spread = Counter(plain.ranking(cands, tenant(t, size))[0].id for t in range(8))
+    assert max(spread.values()) > 2  # what hashing alone would do
+    balancer = CacheAware[Cand](window=10_000)
+    homes = {}
+    for t in range(8):
+        pick = balancer.choose(cands, usable, None, tenant(t, size, tail=1))
+        assert pick.endpoint is not None
+        homes[t] = pick.endpoint.id
+        assert pick.reason in ("rendezvous", "capacity")
+    assert sorted(Counter(homes.values()).values()) == [2, 2, 2, 2]
+    for k in range(2, 6):
+        for t in range(8):
+            pick = balancer.choose(cands, usable, None, tenant(t, size, tail=k))
+            assert pick.endpoint is not None
+            assert (pick.endpoint.id, pick.reason) == (homes[t], "holder")
+            assert pick.miss == 1  # the unique tail only
+
+
+def test_what_no_longer_fits_is_no_longer_counted_as_held() -> None:
+    """The router's memory of an engine is as large as its cache: a prefix pushed out by
+    others sent there since is a miss again."""
+    size = 30
+    cands = [Cand("only", cache_blocks=2 * size)]
+    balancer = CacheAware[Cand]()
+    balancer.choose(cands, usable, None, tenant(0, size))
+    assert balancer.matched(cands[0], tenant(0, size)) == size
+    balancer.choose(cands, usable, None, tenant(1, size))
+    balancer.choose(cands, usable, None, tenant(2, size))
+    assert balancer.matched(cands[0], tenant(0, size)) == 0
+    assert balancer.choose(cands, usable, None, tenant(0, size)).miss == size
+
+
+# ----- predicted time to first token --------------------------------------------------------
+
+
+def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_the_prefill() -> None:
+    size = 60
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand](slack=100.0)
+    for t in range(6):  # others, so the tenant is not hot
+        balancer.choose(cands, usable, None, tenant(100 + t, size))
+    first = balancer.choose(cands, usable, None, tenant(0, size, tail=1))
+    home = first.endpoint
+    assert home is not None
+    # Queued there: less than one prompt's prefill more than elsewhere: it stays.
+    home.pending = size - 1.0
+    pick = balancer.choose(cands, usable, None, tenant(0, size, tail=2))
+    assert (pick.endpoint, pick.reason) == (home, "holder")
+    # More than the whole prompt's prefill: the least queued other takes it.
+    home.pending = size + 5.0
+    pick = balancer.choose(cands, usable, None, tenant(0, size, tail=3))
+    assert pick.endpoint is not home
+    assert pick.reason == "predicted_ttft"
+    assert pick.miss == size + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0, 500), st.floats(0.001, 0.05)), min_size=2, max_size=6),
+    st.integers(2, 100),
+)
+def test_predicted_ttft_never_picks_a_slower_endpoint_than_the_rules_choice(
+    queues: list[tuple[float, float]], size: int
+) -> None:
+    """Whatever the queues and rates, an endpoint chosen for its predicted time is
+    predicted to answer sooner than the one the rules chose (within the bound)."""
+    cands = [Cand(f"e{i}", pending=p, block_time=t) for i, (p, t) in enumerate(queues)]
+    balancer = CacheAware[Cand](slack=1000.0)
+    prompt = tenant(0, size)
+    rule = balancer.ranking(cands, prompt)[0]
+    pick = balancer.choose(cands, usable, None, prompt)
+    assert pick.endpoint is not None
+    if pick.reason == "predicted_ttft":
+        chosen = pick.endpoint
+        assert chosen.block_time * (chosen.pending + size) < rule.block_time * (rule.pending + size)
+    else:
+        assert pick.endpoint is rule
+
+
+# ----- reasons ------------------------------------------------------------------------------
+
+
+def test_every_pick_says_why() -> None:
+    cands = [Cand(f"e{i}") for i in range(4)]
+    ca = CacheAware[Cand]()
+    assert ca.choose(cands, lambda c: False, None, (1, 2)) == Pick(None, "none")
+    assert ca.choose(cands[:1], usable, None, (1, 2)).reason == "only"
+    assert ca.choose(cands, usable, None, ()).reason == "least_loaded"
+    for t in range(8):
+        ca.choose(cands, usable, None, tenant(t, 20))
+    assert ca.choose(cands, usable, None, tenant(0, 20, tail=1)).reason == "holder"
+    home = ca.ranking(cands, tenant(9, 20))[0]
+    home.load = 50.0  # over the bound
+    spilled = ca.choose(cands, usable, None, tenant(9, 20))
+    assert (spilled.reason, spilled.endpoint is not home) == ("bound_spill", True)
+    hot = CacheAware[Cand](window=16)
+    reasons = {hot.choose(cands, usable, None, tenant(1, 20, tail=k)).reason for k in range(20)}
+    assert "hot_spread" in reasons
+    assert RoundRobin[Cand]().choose(cands, usable, None).reason == "round_robin"
+    assert LeastOutstanding[Cand]().choose(cands, usable, None).reason == "least_loaded"
+    assert SessionAffinity[Cand]().choose(cands, usable, "k").reason == "session"
+    assert SessionAffinity[Cand]().choose(cands, usable, None).reason == "least_loaded"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 12), min_size=1, max_size=40),
+    st.lists(st.floats(0, 20), min_size=1, max_size=6),
+    st.integers(0, 400),
+)
+def test_every_reason_is_a_known_one_and_the_miss_is_within_the_prompt(
+    arrivals: list[int], loads: list[float], capacity: int
+) -> None:
+    cands = [Cand(f"e{i}", load=load, cache_blocks=capacity) for i, load in enumerate(loads)]
+    balancer = CacheAware[Cand](window=8)
+    for k, t in enumerate(arrivals):
+        prompt = tenant(t, 10 + t, tail=k + 1)
+        pick = balancer.choose(cands, usable, None, prompt)
+        assert pick.reason in REASONS
+        assert 0 <= pick.miss <= len(prompt)
+
+
+# ----- what the endpoints tell the balancer -------------------------------------------------
+
+
+def test_an_endpoints_cache_from_its_report_else_its_config() -> None:
+    ep = Endpoint(spec=EndpointSpec("e", "http://x", ("m",), cache_tokens=6400))
+    assert ep.cache_blocks == math.floor(6400 / Endpoint.tokens_per_block)
+    ep.report(EngineLoad(running=1, cache_tokens=12800, measured_at=1e12))
+    assert ep.cache_tokens == 12800
+    ep.report(EngineLoad(running=1, measured_at=1e12))
+    assert ep.cache_tokens == 6400
+    assert Endpoint(spec=EndpointSpec("f", "http://y", ("m",))).cache_blocks == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 80), st.floats(0.01, 2.0)), min_size=1, max_size=30))
+def test_pending_prefill_returns_to_zero_and_the_rate_is_learnt(
+    requests: list[tuple[int, float]],
+) -> None:
+    ep = Endpoint(spec=EndpointSpec("e", "http://x", ("m",)))
+    open_ = []
+    for miss, seconds in requests:
+        open_.append((miss, ep.begin_prefill(miss), seconds))
+    assert ep.pending_blocks == sum(m for m, _, _ in open_)
+    rng = random.Random(0)
+    rng.shuffle(open_)
+    for miss, work, seconds in open_:
+        ep.end_prefill(miss, work, seconds)
+    assert ep.pending_blocks == 0
+    learnt = [s / w for _, w, s in open_ if w >= 8]
+    if learnt:
+        assert min(learnt) <= ep.block_time <= max(learnt)
+    else:
+        assert ep.block_time == 0
