@@ -441,7 +441,7 @@ class Controller:
             if node is None or node.state == NodeState.LOST:
                 continue
             report = node.shards.get(leader.shard_id)
-            if report is None or report.state != v1.ShardState.READY:
+            if report is None or report.state != v1.ShardState.READY or report.refused:
                 continue
             profile = self.catalog.get(r.model, r.profile)
             if profile is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
-from llmgw_proto.addr import HostPort, parse_hostport
+from llmgw_proto.addr import HostPort, parse_endpoint_url, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 from llmgw_proto.tls import TlsConfig
 
@@ -322,6 +322,12 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
         if ep.id in seen:
             raise ConfigError(source, f"duplicate endpoint id {ep.id!r}", f"$.endpoints[{i}].id")
         seen.add(ep.id)
+        try:
+            # The control plane's rule for what it publishes: a router never dials a
+            # URL it cannot parse (issue 24.7).
+            parse_endpoint_url(ep.url)
+        except ValueError as err:
+            raise ConfigError(source, str(err), f"$.endpoints[{i}].url") from None
     for name in ("head_timeout", "body_timeout"):
         if getattr(cfg.http, name) <= 0:
             raise ConfigError(source, "must be > 0 (e.g. `10s`)", f"$.http.{name}")
@@ -374,6 +380,10 @@ def parse_endpoint_flag(value: str) -> EndpointConfig:
         raise ValueError(f"empty endpoint id in {value!r}")
     if not url.startswith(("http://", "https://")) or len(url.split("//", 1)[1]) == 0:
         raise ValueError(f"URL must start with http:// or https:// in {value!r}")
+    try:
+        parse_endpoint_url(url)
+    except ValueError as err:
+        raise ValueError(f"{err} in {value!r}") from None
     if not names:
         raise ValueError(f"no model names in {value!r}")
     return EndpointConfig(id=ident, url=url.rstrip("/"), models=names, profile="static")

@@ -56,7 +56,9 @@ class HealthChecker:
                 await resp.read()
                 ok = resp.status == 200
                 detail = f"status {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as err:
+        except Exception as err:
+            # aiohttp's errors and timeouts, and anything else a bad endpoint URL raises
+            # (ValueError, InvalidURL): the probe failed; the checker goes on (issue 24.7).
             ok = False
             detail = f"{type(err).__name__}: {err}"
         changed = apply_probe(ep, ok, self.cfg)

@@ -15,9 +15,9 @@ import asyncio
 import collections
 import ssl
 import time
-from urllib.parse import urlsplit
 
 import httptools
+from llmgw_proto.addr import parse_endpoint_url
 
 __all__ = ["ConnectError", "Pool", "ResetError", "Response", "UpstreamError"]
 
@@ -334,8 +334,13 @@ class _HostPool:
                 ssl=self.tls,
                 server_hostname=self.host if self.tls else None,
             )
-        except OSError as err:
-            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {err}") from None
+        except Exception as err:
+            # OSError above all, but any failure to open the connection (a host name
+            # the resolver chokes on: UnicodeError; a bad port: OverflowError) is a
+            # connect failure: retried elsewhere, counted toward ejection, never a 500.
+            raise ConnectError(
+                f"cannot connect to {self.host}:{self.port}: {type(err).__name__}: {err}"
+            ) from None
         return conn
 
 
@@ -361,13 +366,17 @@ class Pool:
     def _host(self, base_url: str) -> _HostPool:
         pool = self._hosts.get(base_url)
         if pool is None:
-            parts = urlsplit(base_url)
+            try:
+                parts = parse_endpoint_url(base_url)
+            except ValueError as err:
+                # Never dialled: not a default host or port, not a 500 either.
+                raise ConnectError(str(err)) from None
             secure = parts.scheme == "https"
             if secure and self._tls is None:
                 self._tls = ssl.create_default_context()
             pool = _HostPool(
-                parts.hostname or "127.0.0.1",
-                parts.port or (443 if secure else 80),
+                parts.host,
+                parts.port,
                 self._tls if secure else None,
                 self.per_endpoint,
                 self.keepalive,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import re
 import socket
@@ -33,9 +34,9 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
-from llmgw_proto.addr import HostPort, format_hostport, parse_hostport
-from llmgw_proto.grpc_limits import BoundedChannel
+from llmgw_proto.addr import HostPort, format_hostport, parse_endpoint_url, parse_hostport
 from llmgw_proto.backoff import Backoff
+from llmgw_proto.grpc_limits import BoundedChannel
 from llmgw_proto.tls import CertReloader, client_context
 from llmgw_proto.v1 import (
     DemandReply,
@@ -106,6 +107,16 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         generation=ep.generation,
         api_key=ep.api_key if _HEADER_VALUE.fullmatch(ep.api_key) else "",
     )
+
+
+@functools.lru_cache(maxsize=16384)
+def url_problem(url: str) -> str:
+    """Why a router cannot dial ``url`` ("" when it can): the control plane's own rule."""
+    try:
+        parse_endpoint_url(url)
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def load_from_wire(load: WireLoad, received_at: float) -> EngineLoad | None:
@@ -189,6 +200,8 @@ class EndpointWatcher:
         self.control = control
         self.router_id = router_id
         self.static = static
+        # Endpoint URLs ignored as unparseable, each logged once (bounded).
+        self.refused_urls: set[str] = set()
         self.ssl = control_ssl(control, insecure)
         tls = control.tls
         # Rotated certificate files are read again before each new subscription.
@@ -219,7 +232,7 @@ class EndpointWatcher:
         ):
             log.warning("older snapshot ignored", version=snapshot.version, have=current.version)
             return False
-        specs = [spec_from_wire(ep) for ep in snapshot.endpoints if ep.url]
+        specs = [spec_from_wire(ep) for ep in snapshot.endpoints if ep.url and self._dialable(ep)]
         declared: dict[str, bool] = {}
         for model in snapshot.models:
             for name in model.served_model_names or [model.name]:
@@ -237,6 +250,22 @@ class EndpointWatcher:
         self.state.swap(new)
         log.info("endpoint snapshot applied", version=snapshot.version, endpoints=len(specs))
         return True
+
+    def _dialable(self, ep: WireEndpoint) -> bool:
+        """False for an endpoint whose URL cannot be parsed: it is ignored, logged once.
+
+        A control plane of this version never publishes one (it fails the shard); an
+        older one might, and dialling it could only fail (issue 24.7).
+        """
+        problem = url_problem(ep.url)
+        if not problem:
+            return True
+        if ep.url not in self.refused_urls and len(self.refused_urls) < 1024:
+            self.refused_urls.add(ep.url)
+            log.warning(
+                "endpoint ignored: its URL cannot be dialled", endpoint=ep.id, error=problem
+            )
+        return False
 
     # ------------------------------------------------------------------ addresses
 
