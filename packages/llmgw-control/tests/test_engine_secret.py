@@ -6,13 +6,18 @@ store) and a re-registration (Register's RunningShard); it is shown nowhere.
 
 from __future__ import annotations
 
+import os
+import stat
 import string
+from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_control.inventory import Inventory, Node, ShardReport
 from llmgw_control.publish import EndpointInfo
+from llmgw_control.store.base import Change
 from llmgw_control.store.persist import Clock, decode_state, encode_node
+from llmgw_control.store.sqlite import SqliteStore
 from llmgw_proto import v1
 
 S = v1.ShardState
@@ -73,3 +78,22 @@ def test_routers_get_the_secret_and_logs_never_see_it(key: str) -> None:
     assert key not in repr(info)
     # A new secret (a new engine behind the same replica) is a change to publish.
     assert info != _info(key + "x")
+
+
+async def test_the_sqlite_state_is_the_owners_alone(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    # A file an older build left world-readable is tightened too.
+    (state / "control.db").touch(mode=0o644)
+    old = os.umask(0o022)
+    try:
+        store = SqliteStore(state)
+        await store.open()
+        await store.write([Change("node", "gpu-a", b'{"api_key": "x"}')])
+        await store.close()
+    finally:
+        os.umask(old)
+    files = [p for p in state.iterdir() if p.name.startswith("control.db")]
+    assert files
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name

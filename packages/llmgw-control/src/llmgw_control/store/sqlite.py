@@ -108,6 +108,16 @@ class SqliteStore:
     def _connect(self) -> sqlite3.Connection:
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         try:
+            # The state holds each engine's secret: the owner's alone (SQLite gives its
+            # -wal and -shm files the database file's mode).
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise StoreError(f"{self.description}: cannot open: {err.strerror or err}") from None
+        try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as err:
             raise StoreError(f"{self.description}: cannot open: {err}") from None
