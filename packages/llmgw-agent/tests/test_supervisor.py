@@ -8,12 +8,15 @@ import json
 import os
 import re
 import signal
+import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import structlog.testing
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.supervisor import Supervisor, cmdline_matches, live_records, process_start_ticks
 from llmgw_proto import v1
@@ -442,3 +445,90 @@ async def test_an_engine_unreachable_at_its_endpoint_is_said_loudly(
     )
     sup.stop(v1.StopShard(command_id="s", shard_id=start.shard_id))
     await recorder.wait(start.shard_id, S.STOPPED)
+
+
+async def test_engine_logs_and_records_are_private(
+    kit: Any, make_config: Callable[..., AgentConfig], recorder: Recorder, reap: list[int]
+) -> None:
+    # Issue 24: records (the profile's env, tokens) and engine logs were 0644 in 0755
+    # directories. A log and directory an older agent left open are tightened too.
+    config = make_config()
+    state = Path(config.state_dir)
+    start = kit.make_start(port=free_port(), env={"HF_TOKEN": "hf_secret"})
+    (state / "logs").mkdir(parents=True, mode=0o755)
+    os.chmod(state / "logs", 0o755)
+    old_log = state / "logs" / f"{start.shard_id}.log"
+    old_log.write_text("an older engine's output\n")
+    os.chmod(old_log, 0o644)
+    sup = make_supervisor(config, recorder)
+    assert sup.start(start).ok
+    reap.append(sup.engines[start.shard_id].pid)
+    await recorder.wait(start.shard_id, S.READY)
+    record = state / "shards" / f"{start.shard_id}.json"
+    assert "hf_secret" in record.read_text()
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (state / "shards", state / "logs")}
+    assert modes == {state / "shards": 0o700, state / "logs": 0o700}
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert stat.S_IMODE(old_log.stat().st_mode) == 0o600
+    await sup.close(stop_engines=True)
+
+
+async def test_a_torn_record_does_not_orphan_its_live_engine(
+    kit: Any, make_config: Callable[..., AgentConfig], reap: list[int]
+) -> None:
+    # Issue 24: with the agent stopped, a record cut in half made the restarted agent
+    # forget the engine, which kept its port: every retry was "port ... is not free".
+    config = make_config()
+    first_statuses = Recorder()
+    first = make_supervisor(config, first_statuses)
+    start = kit.make_start(port=free_port(), gpu_indices=[1])
+    assert first.start(start).ok
+    pid = first.engines[start.shard_id].pid
+    reap.append(pid)
+    await first_statuses.wait(start.shard_id, S.READY)
+    await first.close(stop_engines=False)
+    record = Path(config.state_dir) / "shards" / f"{start.shard_id}.json"
+    whole = record.read_bytes()
+    record.write_bytes(whole[: len(whole) // 2])
+
+    statuses = Recorder()
+    second = make_supervisor(config, statuses)
+    with structlog.testing.capture_logs() as logs:
+        assert second.adopt() == []
+    assert any(e.get("path") == str(record) and "torn" in e["event"] for e in logs)
+    assert not record.exists()
+    # Found by its mark: being stopped, and until it is gone its port and GPU stay taken.
+    assert [m.pid for members in second.strays.values() for m in members] == [pid]
+    held = second.start(kit.make_start(shard_id="x-0", port=start.port, gpu_indices=[1]))
+    assert not held.ok
+    assert f"port {start.port} is used by shard {start.shard_id} (a stray" in held.error
+    assert "GPU 1 is used by shard" in held.error
+    assert statuses.statuses[-1].ports_taken == []  # an engine of ours, not a stranger
+    await second.stop_strays()
+    assert not alive(pid)
+    assert second.strays == {}
+    # The same shard again, on the same port and GPU: launched, and it becomes ready.
+    assert second.start(start).ok
+    reap.append(second.engines[start.shard_id].pid)
+    await statuses.wait(start.shard_id, S.READY)
+    await second.close(stop_engines=True)
+
+
+async def test_a_port_held_by_another_program_is_named_in_the_refusal(
+    kit: Any, make_config: Callable[..., AgentConfig], recorder: Recorder
+) -> None:
+    sup = make_supervisor(make_config(), recorder)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = kit.make_start(port=port)
+        result = sup.start(start)
+    assert not result.ok
+    assert f"port {port} is not free" in result.error
+    failed = await recorder.wait(start.shard_id, S.FAILED)
+    assert failed.ports_taken == [port]
+    # Refused for another reason, with a free port: no port is named.
+    other = kit.make_start(shard_id="y-0", port=free_port(), gpu_indices=[9])
+    assert not sup.start(other).ok
+    assert (await recorder.wait("y-0", S.FAILED)).ports_taken == []

@@ -83,6 +83,8 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         adopted = self.supervisor.adopt()
+        # Engines no record names hold ports and GPUs: gone before control hands them out.
+        await self.supervisor.stop_strays()
         # The engines' versions and flags (vLLM's help takes tens of seconds the first
         # time; it is cached per executable and version) before the first Register.
         installed = await asyncio.to_thread(self.supervisor.installed)

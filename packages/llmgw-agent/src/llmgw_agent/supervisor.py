@@ -5,6 +5,11 @@ to a file in the state directory (:mod:`llmgw_agent.output`). Every running shar
 record (:mod:`llmgw_agent.records`); a new agent re-adopts the engines whose pid is alive
 with the same start time and command line (:mod:`llmgw_agent.procs`), and supervises them
 by pid. What to launch is decided by :func:`llmgw_agent.plan.plan`, nowhere else.
+
+Every engine is also marked in its environment with its shard and this agent's state
+directory. A marked engine that no readable record names (a record torn by a crash, or
+lost) is a stray: it is stopped by process group (SIGTERM, SIGKILL after the stop grace),
+and its port and GPUs stay taken until it is gone.
 """
 
 from __future__ import annotations
@@ -44,11 +49,23 @@ from llmgw_agent.load import LoadSource
 from llmgw_agent.output import OutputFollower, Skip, file_tail, poll_lines
 from llmgw_agent.plan import Plan, Refused, plan
 from llmgw_agent.procs import (
+    Marked,
     cmdline_matches,
+    marked_processes,
+    marks,
     process_start_ticks,
     signal_name,
+    stop_group,
 )
-from llmgw_agent.records import ShardRecord, live_records, read_records, record_path
+from llmgw_agent.records import (
+    FILE_MODE,
+    ShardRecord,
+    live_records,
+    private_dir,
+    read_records,
+    record_path,
+    remove_leftovers,
+)
 from llmgw_agent.validation import NodeView, Probes, real_probes
 
 __all__ = [
@@ -133,6 +150,11 @@ class Supervisor:
         self._installed = dict(engines) if engines is not None else None
         self._gpu_memory = gpu_memory
         self._closing = False
+        # Who marks its engines as its own: the state directory holds their records.
+        self.identity = str(self.state_dir.resolve())
+        # Engines of this agent that no record names, by process group, being stopped.
+        self.strays: dict[int, list[Marked]] = {}
+        self._stray_tasks: set[asyncio.Task[None]] = set()
 
     # ---- the engines installed ---------------------------------------------------------
 
@@ -153,9 +175,21 @@ class Supervisor:
             )
             return result
         self._emit_for(start, S.VALIDATING, reason="checking the profile before launch")
-        decided = plan(start, self.config, self.node_view(), self.probes)
+        view = self.node_view()
+        decided = plan(start, self.config, view, self.probes)
         if isinstance(decided, Refused):
-            return self._refuse(start, "validation failed: " + "; ".join(decided.problems))
+            # A port another program holds (not a shard of this agent) is named apart,
+            # so control places the retry on another one instead of this one again.
+            taken = (
+                [start.port]
+                if 0 < start.port < 65536
+                and start.port not in view.ports_in_use
+                and not self.probes.port_free(self.config.engine_host, start.port)
+                else []
+            )
+            return self._refuse(
+                start, "validation failed: " + "; ".join(decided.problems), ports_taken=taken
+            )
         try:
             engine = self._spawn(decided)
         except OSError as err:
@@ -189,11 +223,19 @@ class Supervisor:
     # ---- what the node runs ----------------------------------------------------------
 
     def node_view(self) -> NodeView:
+        gpus_in_use = {i: e.shard_id for e in self.engines.values() for i in e.start.gpu_indices}
+        ports_in_use = {e.start.port: e.shard_id for e in self.engines.values()}
+        for members in self.strays.values():
+            owner = f"{members[0].shard_id} (a stray engine, being stopped)"
+            for m in members:
+                gpus_in_use.update(dict.fromkeys(m.gpus, owner))
+                if m.port:
+                    ports_in_use[m.port] = owner
         return NodeView(
             gpus=self.gpus,
             simulated=self.simulated,
-            gpus_in_use={i: e.shard_id for e in self.engines.values() for i in e.start.gpu_indices},
-            ports_in_use={e.start.port: e.shard_id for e in self.engines.values()},
+            gpus_in_use=gpus_in_use,
+            ports_in_use=ports_in_use,
             engines=self.installed(),
             gpu_memory=self._gpu_memory() if self._gpu_memory else {},
         )
@@ -262,12 +304,19 @@ class Supervisor:
     def adopt(self) -> list[str]:
         """Re-adopt engines a previous agent left running; returns their shard ids.
 
-        Records whose engine is gone are removed and reported FAILED.
+        Records whose engine is gone are removed and reported FAILED. Marked engines
+        no readable record names are strays: stopped (see :meth:`stop_strays`).
         """
         adopted: list[str] = []
+        for leftover in remove_leftovers(self.state_dir):
+            log.warning("removed the temporary file of an interrupted write", path=str(leftover))
         for path, record in read_records(self.state_dir):
             if record is None:
-                log.warning("removing unreadable shard record", path=str(path))
+                log.warning(
+                    "removing unreadable shard record (torn or corrupt); its engine, if it "
+                    "still runs, is found by its mark and stopped",
+                    path=str(path),
+                )
                 path.unlink(missing_ok=True)
                 continue
             if record.shard_id in self.engines:
@@ -304,11 +353,46 @@ class Supervisor:
             )
             log.info("re-adopted engine", shard=record.shard_id, pid=record.pid, state=state.name)
             adopted.append(record.shard_id)
+        self._find_strays()
         return adopted
+
+    def _find_strays(self) -> None:
+        """Stop this agent's marked engines that no record names; their holdings stay taken."""
+        groups: dict[int, list[Marked]] = {}
+        for m in marked_processes(self.identity):
+            if m.shard_id not in self.engines and m.pgid > 1 and m.pgid != os.getpgrp():
+                groups.setdefault(m.pgid, []).append(m)
+        for pgid, members in groups.items():
+            if pgid in self.strays:
+                continue
+            log.warning(
+                "stopping an engine no record names (its record was torn or lost)",
+                shard=members[0].shard_id,
+                pgid=pgid,
+                pids=[m.pid for m in members],
+                port=members[0].port,
+            )
+            self.strays[pgid] = members
+            task = asyncio.create_task(self._stop_stray(pgid, members), name=f"stray {pgid}")
+            self._stray_tasks.add(task)
+            task.add_done_callback(self._stray_tasks.discard)
+
+    async def _stop_stray(self, pgid: int, members: list[Marked]) -> None:
+        try:
+            clean = await stop_group(pgid, members, self.config.stop_grace)
+            log.info("stray engine stopped", shard=members[0].shard_id, pgid=pgid, clean=clean)
+        finally:
+            self.strays.pop(pgid, None)
+
+    async def stop_strays(self) -> None:
+        """Until every stray found at adoption is gone (or given up on)."""
+        while self._stray_tasks:
+            await asyncio.gather(*self._stray_tasks, return_exceptions=True)
 
     async def close(self, *, stop_engines: bool) -> None:
         """Stop watching; stop the engines too only when asked (upgrades leave them running)."""
         self._closing = True
+        await self.stop_strays()
         engines = list(self.engines.values())
         if stop_engines:
             for engine in engines:
@@ -335,9 +419,11 @@ class Supervisor:
             skip=_own_polls(record.launch),
         )
 
-    def _refuse(self, start: v1.StartShard, reason: str) -> v1.CommandResult:
+    def _refuse(
+        self, start: v1.StartShard, reason: str, *, ports_taken: list[int] | None = None
+    ) -> v1.CommandResult:
         log.warning("refused shard", shard=start.shard_id, reason=reason)
-        self._emit_for(start, S.FAILED, reason=reason)
+        self._emit_for(start, S.FAILED, reason=reason, ports_taken=ports_taken)
         return v1.CommandResult(command_id=start.command_id, ok=False, error=reason)
 
     def _spawn(self, decided: Plan) -> Engine:
@@ -354,18 +440,21 @@ class Supervisor:
         launch = with_api_key(decided.adapter, launch, secrets.token_urlsafe(32))
         decided = dataclasses.replace(decided, launch=launch)
         path = record_path(self.state_dir, start.shard_id)
-        logs_dir = self.state_dir / "logs"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        logs_dir.mkdir(parents=True, exist_ok=True)
+        # Records hold the profile's env (tokens) and logs may echo it: owner only.
+        private_dir(path.parent)
+        logs_dir = private_dir(self.state_dir / "logs")
         output_path = logs_dir / path.with_suffix(".log").name
-        fd = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        fd = os.open(output_path, flags, FILE_MODE)
         try:
+            os.fchmod(fd, FILE_MODE)  # a log left by an older agent keeps its mode otherwise
+            mark = marks(start.shard_id, self.identity, start.port, start.gpu_indices)
             popen = subprocess.Popen(
                 launch.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **launch.env},
+                env={**os.environ, **launch.env, **mark},
                 start_new_session=True,
                 close_fds=True,
             )
@@ -404,7 +493,13 @@ class Supervisor:
         task.add_done_callback(engine.tasks.discard)
 
     def _emit_for(
-        self, start: v1.StartShard, state: v1.ShardState, *, reason: str = "", tail: str = ""
+        self,
+        start: v1.StartShard,
+        state: v1.ShardState,
+        *,
+        reason: str = "",
+        tail: str = "",
+        ports_taken: list[int] | None = None,
     ) -> None:
         self.sink(
             v1.ShardStatus(
@@ -414,6 +509,7 @@ class Supervisor:
                 reason=reason,
                 output_tail=tail,
                 time=_now(),
+                ports_taken=ports_taken or [],
             )
         )
 
