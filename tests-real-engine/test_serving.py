@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import httpx
 import openai
 from llmgw_testkit.cluster import Cluster
 
@@ -112,3 +113,36 @@ def help_flags(text: str) -> set[str]:
         spec = line[:40] if len(line) > 40 and line[39] == " " else line
         flags.update(re.findall(r"(?:^|[\s,])(--?[A-Za-z][\w.-]*)", spec))
     return flags
+
+
+def test_the_engine_refuses_a_direct_request_and_serves_the_routed_one(
+    serving: Cluster,
+) -> None:
+    """Issue 24.3: the real llama-server requires the secret the agent gave it (in
+    LLAMA_API_KEY, out of its command line); the router sends it, a direct client has
+    none."""
+    (replica,) = serving.replicas(SERVED_NAME)
+    (shard,) = replica["shards"]
+    environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
+    (secret,) = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"LLAMA_API_KEY=")]
+    assert len(secret) >= 32
+    assert secret not in Path(f"/proc/{shard['pid']}/cmdline").read_bytes()
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 2,
+    }
+    direct = httpx.post(f"{replica['endpoint']}/v1/chat/completions", json=body, timeout=60)
+    assert direct.status_code == 401, direct.text
+    assert direct.json()["error"]["message"] == "Invalid API Key"
+    # llama-server guards /metrics as well; /health stays open.
+    assert httpx.get(f"{replica['endpoint']}/metrics", timeout=30).status_code == 401
+    assert httpx.get(f"{replica['endpoint']}/health", timeout=30).status_code == 200
+    reply = _client(serving).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 2

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import openai
+from llmgw_agent.kv_events import loopback_kv_config
 from llmgw_testkit import http_get, wait_for
 from llmgw_testkit.cluster import Cluster, metric_sum
 
@@ -140,8 +141,12 @@ def test_placed_on_the_cpu_node_and_launched_through_the_adapter(
     assert args[args.index("--port") + 1] == str(shard["port"])
     assert args[args.index("--served-model-name") + 1] == SERVED_NAME
     assert args[args.index(engine.tp_flag) + 1] == "1"
-    engine_args = profile["engine_args"]
-    assert args[-len(engine_args) :] == engine_args  # the profile's engine_args, last
+    # The profile's engine_args, last; KV events published on loopback whatever the profile
+    # said (issue 24.3), and SGLang's secret (on its command line) after them.
+    engine_args = [loopback_kv_config(a)[0] for a in profile["engine_args"]]
+    if args[-2:-1] == ["--api-key"]:
+        args = args[:-2]
+    assert args[-len(engine_args) :] == engine_args
     environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
     for key, value in profile["env"].items():
         assert f"{key}={value}".encode() in environ, key
@@ -175,6 +180,40 @@ def test_every_flag_the_adapter_emitted_is_in_the_real_help(serving: Cluster, en
     cached = sorted((serving.state_dir("cpu-a") / "engine-help").glob(pattern))
     assert cached, "the agent did not read the engine's own help"
     assert help_flags(cached[0].read_text()) == known
+
+
+def test_the_engine_refuses_a_direct_request_and_serves_the_routed_one(
+    serving: Cluster, engine: Any
+) -> None:
+    """Issue 24.3: the real engine requires the secret the agent gave it; the router sends
+    it, a client going around the router has none."""
+    shard = ready_shard(serving)
+    environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
+    cmdline = _cmdline(shard["pid"])
+    if engine.kind == "vllm":  # VLLM_API_KEY: out of the command line ps shows
+        (secret,) = [
+            e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"VLLM_API_KEY=")
+        ]
+        assert secret not in " ".join(cmdline)
+    else:
+        secret = cmdline[cmdline.index("--api-key") + 1]
+    assert len(secret) >= 32
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    url = f"http://127.0.0.1:{shard['port']}/v1/chat/completions"
+    direct = httpx.post(url, json=body, timeout=60)
+    assert direct.status_code == 401, direct.text
+    if engine.kind == "vllm":
+        assert direct.json() == {"error": "Unauthorized"}
+    wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer unused"}, timeout=60)
+    assert wrong.status_code == 401
+    reply = _client(serving).chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 2
 
 
 def test_chat_completion_through_the_router(serving: Cluster) -> None:
