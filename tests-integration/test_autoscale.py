@@ -46,8 +46,10 @@ def test_replicas_follow_a_load_step(cluster: Cluster) -> None:
             except Exception as err:
                 failed.append(repr(err))
 
-    # Two requests fill the one replica's batch (max-num-seqs 2); six queue up.
-    users = [threading.Thread(target=user) for _ in range(6)]
+    # Two requests fill the one replica's batch (max-num-seqs 2); seven queue up. The
+    # nine held need three replicas (each running 2 with at most 1 waiting); two would
+    # leave 2.5 waiting each, above the target, so it neither stops at two nor drains.
+    users = [threading.Thread(target=user) for _ in range(9)]
     for t in users:
         t.start()
     try:

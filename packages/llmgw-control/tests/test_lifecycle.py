@@ -105,8 +105,42 @@ def test_scale_up_after_the_window_and_say_why() -> None:
     first = autoscale(SPEC, state, 2, busy, 100.0)
     assert first.wanted == 2  # exceeded, but not for long enough yet
     later = autoscale(SPEC, first.state, 2, busy, 110.0)
-    assert later.wanted == 5  # ceil(2 * 10 / 4)
-    assert "above target 4 for 10s: 2 -> 5" in later.reason
+    # 36 requests held, 8 run at once per replica: 3 replicas leave 4 waiting each.
+    assert later.wanted == 3
+    assert "above target 4 for 10s: 2 -> 3" in later.reason
+
+
+def test_no_more_while_the_replicas_it_asked_for_start() -> None:
+    state = ScaleState(wanted=2)
+    busy = [LoadSample(running=8, waiting=10, kv_cache_usage=0.9)] * 2
+    d = autoscale(SPEC, state, 2, busy, 0.0)
+    d = autoscale(SPEC, d.state, 2, busy, 10.0)
+    assert d.wanted == 3
+    # Still 2 ready (the third starts): the load needs 3, which are wanted already.
+    d = autoscale(SPEC, d.state, 2, busy, 40.0)
+    assert d.wanted == 3
+    assert "3 wanted" in d.reason
+
+
+def test_running_requests_count_when_judging_fewer() -> None:
+    # Issue 24 point 12: 3 replicas each running 8 with nothing waiting. Two would
+    # carry the 24 requests with 4 waiting each: not under the target 4, so no drain
+    # (the old rule looked at waiting only, 0, and drained one).
+    state = ScaleState(wanted=3)
+    full = [LoadSample(running=8, waiting=0, kv_cache_usage=0.5)] * 3
+    d = autoscale(SPEC, state, 3, full, 0.0)
+    for now in (30.0, 60.0, 600.0):
+        d = autoscale(SPEC, d.state, 3, full, now)
+        assert d.wanted == 3
+        assert "within target" in d.reason
+    # Less load: 18 held, 6 seen running at once, so two would leave 3 waiting each;
+    # under the target, so one fewer after down_after.
+    lighter = [LoadSample(running=6, waiting=0, kv_cache_usage=0.3)] * 3
+    d = autoscale(SPEC, d.state, 3, lighter, 700.0)
+    assert d.wanted == 3
+    assert "2 replicas would show waiting 3" in d.reason
+    d = autoscale(SPEC, d.state, 3, lighter, 730.0)
+    assert d.wanted == 2
 
 
 def test_scale_down_one_at_a_time_after_the_cool_down() -> None:
@@ -133,6 +167,146 @@ def test_scale_to_zero_and_back_on_demand() -> None:
     d = autoscale(spec, d.state, 0, [], 70.0, demand_at=69.0)
     assert d.wanted == 1
     assert "demand" in d.reason
+
+
+def test_scale_to_zero_exactly_idle_after_the_last_demand() -> None:
+    # Issue 24 point 13: with idle_after 15 s the drain came at 30.9 s; demand at 0,
+    # nothing running from then on, a pass each second: zero at 15, not before.
+    spec = ScaleSpec(min=0, max=2, idle_after=15.0)
+    idle = [LoadSample(running=0, waiting=0, kv_cache_usage=0.0)]
+    d = autoscale(spec, ScaleState(wanted=1), 1, idle, 0.0, demand_at=0.0)
+    zero_at = None
+    for now in range(1, 31):
+        d = autoscale(spec, d.state, 1, idle, now, demand_at=0.0)
+        if d.wanted == 0:
+            zero_at = now
+            assert "idle for 15s" in d.reason
+            break
+    assert zero_at == 15
+
+
+def test_idle_counts_from_the_last_request_when_demand_is_older() -> None:
+    spec = ScaleSpec(min=0, max=2, idle_after=15.0)
+    busy = [LoadSample(running=1, waiting=0, kv_cache_usage=0.1)]
+    idle = [LoadSample(running=0, waiting=0, kv_cache_usage=0.0)]
+    d = autoscale(spec, ScaleState(wanted=1), 1, busy, 0.0, demand_at=0.0)
+    d = autoscale(spec, d.state, 1, busy, 40.0, demand_at=0.0)
+    d = autoscale(spec, d.state, 1, idle, 41.0, demand_at=0.0)  # first idle pass
+    d = autoscale(spec, d.state, 1, idle, 55.0, demand_at=0.0)
+    assert d.wanted == 1
+    d = autoscale(spec, d.state, 1, idle, 56.0, demand_at=0.0)
+    assert d.wanted == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(0.5, 300.0),
+    st.lists(st.floats(0.0, 100.0), min_size=1, max_size=20),
+    st.floats(0.0, 100.0),
+)
+def test_zero_after_idle_after_of_no_demand_not_later(
+    idle_after: float, gaps: list[float], tail: float
+) -> None:
+    """Demand at some times, nothing running: zero at the first pass at or past
+    ``idle_after`` after the last demand, never before."""
+    spec = ScaleSpec(min=0, max=3, idle_after=idle_after)
+    idle = [LoadSample(running=0, waiting=0, kv_cache_usage=0.0)]
+    state = ScaleState(wanted=1)
+    now = 0.0
+    for gap in gaps:
+        now += gap
+        d = autoscale(spec, state, 1, idle, now, demand_at=now)
+        assert d.wanted == 1
+        state = d.state
+    last = now
+    # Passes every second after the last demand.
+    t = last
+    while t < last + idle_after + tail:
+        t += 1.0
+        d = autoscale(spec, state, 1, idle, t, demand_at=last)
+        if t - last < idle_after:
+            assert d.wanted == 1
+        else:
+            assert d.wanted == 0
+            break
+        state = d.state
+
+
+def _even(load: float, n: int, capacity: int, metric: str) -> list[LoadSample]:
+    """A router spreading a constant load evenly over ``n`` replicas."""
+    if metric == "kv_cache":
+        use = min(1.0, load / n)
+        return [LoadSample(running=0, waiting=0, kv_cache_usage=use)] * n
+    whole = int(load)
+    out = []
+    for i in range(n):
+        share = whole // n + (1 if i < whole % n else 0)
+        run = min(share, capacity)
+        out.append(LoadSample(running=run, waiting=share - run, kv_cache_usage=0.0))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["waiting", "kv_cache"]),
+    st.integers(1, 3),
+    st.integers(0, 8),
+    st.integers(0, 8),
+    st.floats(0.0, 200.0),
+    st.integers(1, 16),
+    st.integers(1, 8),
+    st.floats(0.3, 0.95),
+    st.integers(0, 3),
+    st.floats(1.0, 20.0),
+)
+def test_under_a_constant_load_no_decisions_oscillate(
+    metric: str,
+    low: int,
+    span: int,
+    start: int,
+    load: float,
+    capacity: int,
+    waiting_target: int,
+    kv_target: float,
+    lag: int,
+    step: float,
+) -> None:
+    """Issue 24 point 12: whatever count it starts at, a constant load moves the count
+    one way only (up, or down), never up then down or down then up, and it settles
+    where the load fits: at or under the target, or at max."""
+    target = kv_target if metric == "kv_cache" else float(waiting_target)
+    if metric == "kv_cache":
+        load = load / 25.0  # in replicas' worth of KV cache: 0..8
+    spec = ScaleSpec(
+        min=low, max=low + span, metric=metric, target=target, up_after=30.0, down_after=60.0
+    )
+    state = ScaleState(wanted=min(low + start, low + span))
+    ready = state.wanted
+    starting: list[tuple[int, int]] = []  # (pass it is ready at, count)
+    counts = [state.wanted]
+    # Long enough for every step down (or up) the count can take, and then some.
+    passes = int((span + 2) * (spec.down_after + spec.up_after + 2 * step) / step) + 3 * lag
+    for i in range(passes):
+        now = i * step
+        # New replicas become ready ``lag`` passes after they are wanted; drains are
+        # immediate (a draining replica is no longer ready).
+        ready = min(ready, state.wanted)
+        for due, n in list(starting):
+            if due <= i:
+                ready = min(state.wanted, ready + n)
+                starting.remove((due, n))
+        d = autoscale(spec, state, ready, _even(load, ready, capacity, metric), now)
+        if d.wanted > state.wanted:
+            starting.append((i + lag, d.wanted - state.wanted))
+        state = d.state
+        counts.append(d.wanted)
+    moves = [b - a for a, b in itertools.pairwise(counts) if b != a]
+    assert all(m > 0 for m in moves) or all(m < 0 for m in moves), counts
+    settled = autoscale(spec, state, state.wanted, _even(load, state.wanted, capacity, metric), 1e9)
+    assert settled.wanted == state.wanted, (counts, settled.reason)
+    if state.wanted < spec.max:
+        assert settled.metric is not None
+        assert settled.metric <= target, settled.reason
 
 
 samples = st.lists(
