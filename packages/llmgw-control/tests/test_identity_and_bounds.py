@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import ssl
 import urllib.request
 from collections.abc import Callable
@@ -22,14 +21,13 @@ import grpclib.client
 import grpclib.const
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_control.ca import Issued, init_ca, issue
 from llmgw_proto import v1
 from llmgw_proto.tls import PeerIdentity, UnreadableIdentity, client_context, read_identity
 from llmgw_testkit import wait_for_async
+from llmgw_testkit.certs import sign_client
 
 Factory = Callable[..., Any]
 MiB = 1024 * 1024
@@ -62,44 +60,9 @@ def signed(
     *,
     uris: tuple[str, ...] = (),
 ) -> ssl.SSLContext:
-    """A client certificate the llmgw CA (``llmgw-control ca init``) signed, with any subject.
-
-    ``ca issue`` only makes well-formed ones; an attacker holding the CA's trust (or a
-    misused CA) can make these, which is what the control plane must refuse.
-    """
-    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
-    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
-    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name(subject))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-    )
-    if uris:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris]),
-            critical=False,
-        )
-    cert = builder.sign(ca_key, hashes.SHA256())
-    out.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = out / f"{stem}.crt", out / f"{stem}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return client_context(cert_path, key_path, ca.cert)
+    """A client certificate the llmgw CA (``llmgw-control ca init``) signed, with any subject."""
+    files = sign_client(ca.cert.parent, out, stem, subject, uris=uris)
+    return client_context(files.cert, files.key, files.ca)
 
 
 def attr(oid: x509.ObjectIdentifier, value: str) -> x509.NameAttribute[str]:
