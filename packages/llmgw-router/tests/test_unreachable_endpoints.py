@@ -11,7 +11,10 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import httpx
+import msgspec
 import pytest
+from aiohttp import web
 from aiohttp.client_reqrep import ConnectionKey
 from llmgw_proto.tls import TlsConfig
 from llmgw_proto.v1 import Endpoint as WireEndpoint
@@ -20,6 +23,7 @@ from llmgw_router.config import ControlConfig, HealthCheckConfig, RouterConfig
 from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
+from llmgw_router.proxy import ProxyApp
 from llmgw_router.state import RouterState
 from llmgw_router.upstream import ConnectError, Pool
 from llmgw_router.watch import EndpointWatcher, url_problem
@@ -157,3 +161,89 @@ def test_url_problem_agrees_with_the_control_planes_rule() -> None:
         assert url_problem(url).startswith(f"endpoint URL {url!r}: ")
     assert url_problem("http://127.0.0.1:8000") == ""
     assert url_problem("https://[::1]:8443") == ""
+
+
+# ---------------------------------------------------------------- the proxy, in-process
+
+
+class Flaky(Pool):
+    """The real client, except that reaching ``bad`` raises ``exc`` (as a bug might)."""
+
+    def __init__(self, bad: str, exc: BaseException) -> None:
+        super().__init__()
+        self.bad = bad
+        self.exc = exc
+
+    async def post(self, base_url: str, *args: Any, **kwargs: Any) -> Any:
+        if base_url == self.bad:
+            raise self.exc
+        return await super().post(base_url, *args, **kwargs)
+
+
+async def engine_app() -> tuple[str, Any]:
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "model": "m", "choices": []}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner
+
+
+def proxy_over(urls: list[str], pool: Pool) -> tuple[ProxyApp, RouterState]:
+    cfg = msgspec.convert(
+        {
+            "balancer": "least_outstanding",
+            "retries": {"max_retries": 3},
+            "ejection": {"consecutive_failures": 2},
+            "health_checks": {"enabled": False},
+        },
+        RouterConfig,
+    )
+    specs = [EndpointSpec(id=f"e{i}", url=u, models=("m",)) for i, u in enumerate(urls)]
+    state = RouterState(cfg, EndpointSet(Endpoint(spec=s) for s in specs), Metrics())
+    return ProxyApp(state, pool), state
+
+
+ODD_ERRORS: list[BaseException] = [
+    RuntimeError("a bug in the client"),
+    ValueError("Port out of range 0-65535"),
+    AssertionError("transport is None"),
+    KeyError("x"),
+]
+
+
+@pytest.mark.parametrize("exc", ODD_ERRORS, ids=lambda e: type(e).__name__)
+async def test_the_proxy_retries_any_exception_elsewhere_and_never_answers_500(
+    exc: BaseException,
+) -> None:
+    good, runner = await engine_app()
+    bad = "http://127.0.0.1:9"
+    pool = Flaky(bad, exc)
+    proxy, state = proxy_over([bad, good], pool)
+    try:
+        transport = httpx.ASGITransport(app=proxy)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            codes = [
+                (await http.post("/v1/chat/completions", json={"model": "m"})).status_code
+                for _ in range(12)
+            ]
+        assert codes == [200] * 12
+        bad_ep = state.endpoints.by_id["e0"]
+        assert bad_ep.outlier.ejections >= 1, "counted toward ejection"
+        # Only the bad one left: 502, still not 500.
+        proxy, _ = proxy_over([bad], Flaky(bad, exc))
+        transport = httpx.ASGITransport(app=proxy)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            reply = await http.post("/v1/chat/completions", json={"model": "m"})
+        assert reply.status_code == 502
+        assert reply.json()["error"]["code"] == "connect"
+    finally:
+        pool.close()
+        await runner.cleanup()

@@ -826,6 +826,15 @@ class ProxyApp:
                 raise _UpstreamFailure("connect", f"{ep.id}: {err}") from None
             except UpstreamError as err:
                 raise _UpstreamFailure("reset", f"{ep.id}: {err}") from None
+            except _UpstreamFailure:
+                raise
+            except Exception as err:
+                # Anything else on the way to the engine is its failure, never a 500
+                # (issue 24.7): before a response a connect failure, after one a reset.
+                raise _UpstreamFailure(
+                    "connect" if response is None else "reset",
+                    f"{ep.id}: {type(err).__name__}: {err}",
+                ) from None
             if status < 500:
                 state.record_success(ep)
             clean = await self._relay(ctx, send, ep, response, first)
