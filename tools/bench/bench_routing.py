@@ -16,7 +16,20 @@ streaming chat completions (16 output tokens) for ``--seconds``:
 - (b) ``unique``: every prompt its own ~2,000 tokens (nothing to share), same rate;
 - (c) ``hot``: one system prompt for every request, same rate;
 - (d) ``tenants x4``: (a) through 4 llmgw routers at once, requests spread round robin
-  over them (cache_aware only: it is the one meant to agree across routers).
+  over them (cache_aware only: it is the one meant to agree across routers);
+- (e) ``tenants mixed``: (a), each request written by one of two JSON clients;
+- (f) ``zipf``: (a) with Zipf-skewed tenant popularity (exponent ``--zipf``, default 1.0:
+  tenant k's share is proportional to 1/k);
+- (g) ``multiturn``: conversations (``--conversations`` at once, each a tenant's system
+  prompt) whose prompts grow by one user and one assistant turn a request, up to
+  ``--turns`` turns, then a new conversation of a random tenant takes its place.
+
+Cache sizes (``--caches``): ``roomy``, ``--kv-blocks`` per engine (default 1,536 blocks
+of 16 tokens: about 11 of the 32 tenants' prefixes), and ``tight``, a quarter of all
+tenants' prefixes per engine plus 88 blocks for the requests in flight (1,088 at the
+defaults: about 8.7 prefixes). llmgw's static endpoints are told each engine's cache
+(``cache_tokens``) and the workload's prompt bytes per token (``bytes_per_token``), as an
+operator would configure them; behind the control plane the engines report their caches.
 
 Targets: llmgw-router ``round_robin``, ``least_outstanding`` and ``cache_aware`` (one
 process, ``workers: 1``), and the Rust routers from PyPI on the same fleet:
@@ -115,8 +128,22 @@ LLMGW = ("round_robin", "least_outstanding", "cache_aware", "cache_aware+tokens"
 # KV events with token ids; the router tokenizes prompts with the same files).
 PRECISE = "cache_aware+tokens"
 PEER_TARGETS = ("sglang-router", "vllm-router")
-WORKLOADS = {"a": "tenants", "b": "unique", "c": "hot", "d": "tenants x4", "e": "tenants mixed"}
-TENANT_WORKLOADS = ("tenants", "tenants x4", "tenants mixed")
+WORKLOADS = {
+    "a": "tenants",
+    "b": "unique",
+    "c": "hot",
+    "d": "tenants x4",
+    "e": "tenants mixed",
+    "f": "zipf",
+    "g": "multiturn",
+}
+TENANT_WORKLOADS = ("tenants", "tenants x4", "tenants mixed", "zipf", "multiturn")
+# --zipf, --conversations, --turns: the zipf and multiturn workloads' knobs.
+SKEW = {"zipf": 1.0, "conversations": 64, "turns": 8}
+# The static endpoints' cache_tokens (set per run from the fleet's KV blocks).
+CACHE_TOKENS: list[int] = []
+# The admin ports of the llmgw routers of the current run (for their picks' reasons).
+ADMINS: list[int] = []
 # Words of the user turns when a real tokenizer reads them (--precise): in its vocabulary.
 USER_VOCABULARY = 5000
 # --cache-aware-epsilon / --cache-aware-slack: the bounded-load settings given to llmgw's
@@ -189,6 +216,8 @@ class Fleet:
                 "LLMGW_SIM_STEP_TIME": f"{self.step_time:g}",
                 "LLMGW_SIM_DECODE_SEQ_TIME": f"{self.decode_seq_time:g}",
                 "LLMGW_SIM_LOAD_TIME": "0.2",
+                # The agent keys each engine; the peer routers cannot know the keys.
+                "LLMGW_SIM_OPEN": "1",
             },
         )
 
@@ -216,8 +245,13 @@ def request_bodies(
     rng = random.Random(seed)
     systems = [_words(f"t{t}", shape.system) for t in range(shape.tenants)]
     out: list[bytes] = []
+    if workload == "multiturn":
+        return _conversations(rng, systems, count, shape, precise)
+    popularity = [1.0 / (k + 1) ** SKEW["zipf"] for k in range(shape.tenants)]
     for i in range(count):
-        if workload in TENANT_WORKLOADS:
+        if workload == "zipf":
+            (system,) = rng.choices(systems, weights=popularity)
+        elif workload in TENANT_WORKLOADS:
             system = systems[rng.randrange(shape.tenants)]
         elif workload == "hot":
             system = systems[0]
@@ -253,6 +287,35 @@ def request_bodies(
     return out
 
 
+def _turn(rng: random.Random, words: int, i: int, precise: bool) -> str:
+    if precise:
+        return " ".join(f"q{rng.randrange(USER_VOCABULARY)}" for _ in range(words))
+    return " ".join(f"q{i}x{rng.randrange(10**6)}" for _ in range(words))
+
+
+def _conversations(
+    rng: random.Random, systems: Sequence[str], count: int, shape: Shape, precise: bool
+) -> list[bytes]:
+    """Multi-turn chats: each request continues one of the open conversations (its
+    earlier turns, an assistant answer of ``shape.out`` words each, then a new user
+    turn); one that reached SKEW["turns"] turns is replaced by a new one."""
+    open_: list[list[dict[str, str]]] = []
+    out: list[bytes] = []
+    for i in range(count):
+        if len(open_) < SKEW["conversations"]:
+            open_.append([{"role": "system", "content": rng.choice(systems)}])
+        at = rng.randrange(len(open_))
+        messages = open_[at]
+        if len(messages) > 1:
+            messages.append({"role": "assistant", "content": _turn(rng, shape.out, i, precise)})
+        messages.append({"role": "user", "content": _turn(rng, shape.user, i, precise)})
+        body = {"model": MODEL, "messages": messages, "max_tokens": shape.out, "stream": True}
+        out.append(json.dumps(body).encode())
+        if len(messages) >= 2 * SKEW["turns"]:
+            open_[at] = [{"role": "system", "content": rng.choice(systems)}]
+    return out
+
+
 def arrival_times(rate: float, seconds: float, seed: int) -> list[float]:
     rng = random.Random(seed)
     t = 0.0
@@ -272,6 +335,8 @@ class Result:
     workload: str
     target: str
     rate: float
+    cache: str = "roomy"
+    fleet: str = "control"
     sent: int = 0
     ok: int = 0
     errors: int = 0
@@ -288,6 +353,8 @@ class Result:
     prompt_evaluated: float = math.nan  # llama.cpp: prompt tokens evaluated per request
     loadavg: str = ""  # /proc/loadavg's 1, 5 and 15 minute figures at the run's start
     control_cpu: float = 0.0  # seconds: control plane and agent, over the run (control fleet)
+    # llmgw's routers: picks by reason (llmgw_router_picks_total), summed over them.
+    reasons: dict[str, int] = field(default_factory=dict)
 
     def pct(self, q: float) -> float:
         if not self.ttft:
@@ -312,6 +379,8 @@ class Result:
         return {
             "workload": self.workload,
             "target": self.target,
+            "cache": self.cache,
+            "fleet": self.fleet,
             "rate": round(self.rate, 2),
             "sent": self.sent,
             "ok": self.ok,
@@ -332,6 +401,7 @@ class Result:
             if self.duration
             else None,
             "loadavg": self.loadavg,
+            "reasons": self.reasons,
             "idle_while_queued": f"{self.idle_while_queued}/{self.watched}",
             "prompt_tokens_evaluated_per_req": None
             if math.isnan(self.prompt_evaluated)
@@ -510,6 +580,7 @@ def router_up(
                     source = {
                         "endpoints": [
                             {"id": f"e{i}", "url": u, "models": [MODEL]}
+                            | ({"cache_tokens": CACHE_TOKENS[0]} if CACHE_TOKENS else {})
                             for i, u in enumerate(engines)
                         ]
                     }
@@ -566,6 +637,8 @@ def router_up(
                 wait_for(reporting, timeout=60, what=f"{target}: every engine's load report")
             urls.append(f"http://127.0.0.1:{port}")
             pids.append(proc.pid)
+            if target in LLMGW:
+                ADMINS.append(admin)
         yield urls, pids
 
 
@@ -638,6 +711,7 @@ def run_one(
             cluster, engines = stack.enter_context(control_fleet_up(fleet, workdir))
         else:
             engines = stack.enter_context(fleet_up(fleet, logs))
+        ADMINS.clear()
         urls, pids = stack.enter_context(router_up(target, engines, logs, copies, cluster))
         side = (
             [p.pid for p in (cluster.control, *cluster.agents.values()) if p is not None]
@@ -677,6 +751,12 @@ def run_one(
         result.loadgen_cpu = cpu_seconds(os.getpid()) - me0
         result.control_cpu = sum(cpu_seconds(p) for p in side) - side0
         after = [_engine_samples(u) for u in engines]
+        for admin in ADMINS:
+            with contextlib.suppress(OSError, ValueError):
+                for key, value in _engine_samples(f"http://127.0.0.1:{admin}").items():
+                    if key.startswith("llmgw_router_picks_total{"):
+                        reason = key.split('reason="', 1)[1].split('"', 1)[0]
+                        result.reasons[reason] = result.reasons.get(reason, 0) + int(value)
     before = marks["before"] or [{} for _ in after]
     counted = results[warm:]
     result.sent = len(counted)
@@ -739,17 +819,45 @@ def _hits(r: Result) -> str:
 
 def table(results: Sequence[Result]) -> str:
     lines = [
-        "| workload | target | req/s offered | TTFT p50 | p90 | p99 | req/s done | hit rate "
-        "| max/mean | idle while queued | router CPU/req | errors | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | cache | fleet | target | req/s offered | TTFT p50 | p90 | p99 | req/s done "
+        "| hit rate | max/mean | idle while queued | router CPU/req | errors | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.workload} | {r.target} | {r.rate:.1f} | {_fmt(1000 * r.pct(0.5), ' ms')} "
+            f"| {r.workload} | {r.cache} | {r.fleet} | {r.target} | {r.rate:.1f} "
+            f"| {_fmt(1000 * r.pct(0.5), ' ms')} "
             f"| {_fmt(1000 * r.pct(0.9), ' ms')} | {_fmt(1000 * r.pct(0.99), ' ms')} "
             f"| {r.throughput:.1f} | {_hits(r)} | {r.max_mean:.2f} "
             f"| {r.idle_while_queued}/{r.watched} "
             f"| {_fmt(r.cpu_ms_per_request, ' ms')} | {r.errors} | {r.loadavg} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(results: Sequence[Result]) -> str:
+    """Medians over the repeats, per workload, cache size, fleet and target."""
+    groups: dict[tuple[str, str, str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.workload, r.cache, r.fleet, r.target), []).append(r)
+    lines = [
+        "| workload | cache | fleet | target | runs | TTFT p50 | p90 | req/s done | hit rate "
+        "| max/mean | idle while queued | router CPU/req |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (workload, cache, fleet, target), rs in groups.items():
+
+        def med(values: list[float]) -> float:
+            return statistics.median(values)
+
+        idle = med([r.idle_while_queued / r.watched if r.watched else 0.0 for r in rs])
+        lines.append(
+            f"| {workload} | {cache} | {fleet} | {target} | {len(rs)} "
+            f"| {_fmt(1000 * med([r.pct(0.5) for r in rs]), ' ms')} "
+            f"| {_fmt(1000 * med([r.pct(0.9) for r in rs]), ' ms')} "
+            f"| {med([r.throughput for r in rs]):.1f} | {100 * med([r.hit_rate for r in rs]):.0f} % "
+            f"| {med([r.max_mean for r in rs]):.2f} | {100 * idle:.1f} % "
+            f"| {_fmt(med([r.cpu_ms_per_request for r in rs]), ' ms')} |"
         )
     return "\n".join(lines)
 
@@ -818,6 +926,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--kv-blocks", type=int, default=1536, help="per engine (16 tokens each): ~11 prefixes"
     )
+    parser.add_argument(
+        "--caches",
+        nargs="+",
+        choices=("roomy", "tight"),
+        default=["roomy", "tight"],
+        help="roomy: --kv-blocks per engine; tight: a quarter of all tenants' prefixes per "
+        "engine (+88 blocks for the requests in flight)",
+    )
+    parser.add_argument("--zipf", type=float, default=1.0, help="zipf: the popularity exponent")
+    parser.add_argument("--conversations", type=int, default=64, help="multiturn: open at once")
+    parser.add_argument("--turns", type=int, default=8, help="multiturn: turns per conversation")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument(
         "--targets", nargs="+", default=[*LLMGW, *PEER_TARGETS], choices=[*LLMGW, *PEER_TARGETS]
@@ -836,9 +955,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fleet",
+        dest="fleets",
+        nargs="+",
         choices=("control", "static"),
-        default="control",
-        help="control: engines launched by llmgw-agent under llmgw-control, llmgw routers "
+        default=["control"],
+        help="one or both, alternating; control: engines launched by llmgw-agent under llmgw-control, llmgw routers "
         "fed by its endpoint and load streams; static: engines started directly, llmgw "
         "routers with static endpoints and their own counts only",
     )
@@ -878,9 +999,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cache_aware_slack is not None:
         CACHE_AWARE["slack"] = args.cache_aware_slack
     use_uvloop()
+    SKEW.update(zipf=args.zipf, conversations=args.conversations, turns=args.turns)
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)
+    system_blocks = math.ceil(args.shape.system / fleet.block_size)
+    kv_blocks = {
+        "roomy": args.kv_blocks,
+        "tight": math.ceil(args.shape.tenants * system_blocks / 4) + 88,
+    }
+    # The tenants' prompt bytes per token (a word), as an operator would configure it.
+    sample = _words("t10", args.shape.system)
+    bytes_per_token = round((len(sample) + 1) / args.shape.system, 2)
     if args.precise:
-        if args.engine != "sim" or args.fleet != "control":
+        if args.engine != "sim" or args.fleets != ["control"]:
             parser.error("--precise needs the simulated engines under the control fleet")
         if any(WORKLOADS[k] not in TENANT_WORKLOADS for k in args.workloads):
             parser.error("--precise runs the tenant workloads only: --workloads a d e")
@@ -894,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{PRECISE} needs --precise")
         args.targets = [t for t in args.targets if t != PRECISE]
     if args.engine == "llamacpp":
-        args.fleet = "control"
+        args.fleets = ["control"]
         if args.rate is None:
             parser.error("--engine llamacpp needs --rate (requests/s the replicas can serve)")
     targets = [t for t in args.targets if t in LLMGW or (PEERS / t).exists()]
@@ -912,20 +1042,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else targets
                 )
                 order = order[rep % len(order) :] + order[: rep % len(order)]
-                for target in order:
-                    seed = args.seed + 1000 * rep + ord(key)
-                    r = run_one(fleet, workload, target, args, logs, seed)
-                    results.append(r)
-                    print(
-                        f"# {workload} {target} [load {r.loadavg}]: {r.ok}/{r.sent} ok, p90 "
-                        f"{_fmt(1000 * r.pct(0.9), ' ms')}, p99 {_fmt(1000 * r.pct(0.99), ' ms')}, "
-                        f"hit {100 * r.hit_rate:.0f} %, per engine {r.per_engine} "
-                        f"hit {[round(100 * h) for h in r.per_engine_hit]} %, "
-                        f"load generator CPU {r.loadgen_cpu / max(r.duration, 1e-9):.0%} "
-                        f"of one core, control+agent {r.control_cpu / max(r.duration, 1e-9):.0%}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                for cache in args.caches:
+                    sized = dataclasses.replace(fleet, kv_blocks=kv_blocks[cache])
+                    CACHE_TOKENS[:] = [sized.kv_blocks * sized.block_size]
+                    if "bytes_per_token" not in CACHE_AWARE and not args.precise:
+                        CACHE_AWARE["bytes_per_token"] = bytes_per_token
+                    for fleet_kind in args.fleets:
+                        args.fleet = fleet_kind
+                        for target in order:
+                            seed = args.seed + 1000 * rep + ord(key)
+                            r = run_one(sized, workload, target, args, logs, seed)
+                            r.cache, r.fleet = cache, fleet_kind
+                            results.append(r)
+                            print(
+                                f"# {workload} {cache} {fleet_kind} {target} [load {r.loadavg}]: "
+                                f"{r.ok}/{r.sent} ok, p50 {_fmt(1000 * r.pct(0.5), ' ms')}, "
+                                f"p90 {_fmt(1000 * r.pct(0.9), ' ms')}, "
+                                f"p99 {_fmt(1000 * r.pct(0.99), ' ms')}, "
+                                f"{r.throughput:.1f} req/s, hit {100 * r.hit_rate:.0f} %, "
+                                f"per engine {r.per_engine} "
+                                f"hit {[round(100 * h) for h in r.per_engine_hit]} %, idle "
+                                f"{r.idle_while_queued}/{r.watched}, router CPU "
+                                f"{_fmt(r.cpu_ms_per_request, ' ms')}/req, load generator CPU "
+                                f"{r.loadgen_cpu / max(r.duration, 1e-9):.0%} of one core, "
+                                f"control+agent {r.control_cpu / max(r.duration, 1e-9):.0%}"
+                                + (f", picks {r.reasons}" if r.reasons else ""),
+                                file=sys.stderr,
+                                flush=True,
+                            )
     if args.json:
         print(json.dumps([r.row() for r in results], indent=1))
     else:
@@ -937,15 +1081,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             print(
-                f"fleet ({args.fleet}): {fleet.engines} simulated vLLM engines, prefill "
+                f"fleet ({', '.join(args.fleets)}): {fleet.engines} simulated vLLM engines, prefill "
                 f"{fleet.prefill_rate:g} tokens/s, step {1000 * fleet.step_time:g} ms + "
-                f"{1000 * fleet.decode_seq_time:g} ms/sequence, KV {fleet.kv_blocks} blocks x "
+                f"{1000 * fleet.decode_seq_time:g} ms/sequence, KV "
+                f"{', '.join(f'{c} {kv_blocks[c]}' for c in args.caches)} blocks x "
                 f"{fleet.block_size}; no-cache capacity {fleet.capacity(args.shape):.1f} req/s; "
                 f"{args.shape}"
             )
         print(table(results))
-        for line in ratios(results):
-            print(line)
+        print()
+        print(summary(results))
+        for cache in args.caches:
+            for fleet_kind in args.fleets:
+                picked = [r for r in results if r.cache == cache and r.fleet == fleet_kind]
+                for line in ratios(picked):
+                    print(f"{cache} cache, {fleet_kind} fleet: {line}")
     return 0
 
 

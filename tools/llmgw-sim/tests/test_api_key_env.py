@@ -45,3 +45,14 @@ def test_llama_server_reads_its_key_from_llama_api_key(tmp_path: Path) -> None:
         assert httpx.get(sim.url + "/metrics").status_code == 401
         assert httpx.get(sim.url + "/metrics", headers=AUTH).status_code == 200
         assert httpx.get(sim.url + "/health").status_code == 200
+
+
+def test_llmgw_sim_open_takes_no_key_whatever_the_environment_and_flag_say(
+    tmp_path: Path,
+) -> None:
+    """bench_routing's control fleet: the agent keys each engine, the peer routers cannot
+    know those keys; LLMGW_SIM_OPEN=1 leaves the simulated vLLM open."""
+    args = ["--served-model-name", "m", "--api-key", "flag"]
+    env = {"VLLM_API_KEY": KEY, "LLMGW_SIM_OPEN": "1"}
+    with start(tmp_path, "vllm", args, env=env) as sim:
+        assert httpx.get(sim.url + "/v1/models").status_code == 200

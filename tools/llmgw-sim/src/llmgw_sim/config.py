@@ -176,8 +176,11 @@ def from_args(
             ),
             host=ns.host or "0.0.0.0",
             port=ns.port,
-            # --api-key wins over VLLM_API_KEY, as in vLLM's api_server.
-            api_keys=[k for k in (ns.api_key or [(environ or {}).get("VLLM_API_KEY", "")]) if k],
+            # --api-key wins over VLLM_API_KEY, as in vLLM's api_server. LLMGW_SIM_OPEN=1:
+            # no key at all (benchmarks whose peer routers cannot know the agent's keys).
+            api_keys=[]
+            if (environ or {}).get("LLMGW_SIM_OPEN") == "1"
+            else [k for k in (ns.api_key or [(environ or {}).get("VLLM_API_KEY", "")]) if k],
             max_model_len=ns.max_model_len or 32768,
             max_num_seqs=ns.max_num_seqs or 1024,
             block_size=block,
