@@ -237,3 +237,39 @@ def test_pending_prefill_returns_to_zero_and_the_rate_is_learnt(
         assert min(learnt) <= ep.block_time <= max(learnt)
     else:
         assert ep.block_time == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 30), st.floats(0, 300), st.integers(0, 300), st.integers(1, 3)),
+        min_size=2,
+        max_size=6,
+    ),
+    st.lists(st.integers(0, 10), min_size=1, max_size=30),
+    st.sampled_from([0.0, 0.25, 1.0]),
+    st.sampled_from([0.0, 3.0]),
+)
+def test_the_bound_holds_whatever_the_queues_and_caches(
+    shape: list[tuple[int, float, int, int]],
+    arrivals: list[int],
+    epsilon: float,
+    slack: float,
+) -> None:
+    """Predicted times and capacity never take a pick over the bounded-load rule's bound
+    (unless every endpoint is over it: then the least loaded)."""
+    cands = [
+        Cand(f"e{i}", load=float(load), pending=pending, cache_blocks=cap, weight=w)
+        for i, (load, pending, cap, w) in enumerate(shape)
+    ]
+    balancer = CacheAware[Cand](epsilon=epsilon, slack=slack, window=8)
+    for k, t in enumerate(arrivals):
+        pick = balancer.choose(cands, usable, None, tenant(t, 12, tail=k + 1))
+        chosen = pick.endpoint
+        assert chosen is not None
+        total = sum(c.load for c in cands)
+        weights = sum(c.weight for c in cands)
+        within = balancer.within(chosen.load, total, chosen.weight, weights, len(cands))
+        least = min(c.load / c.weight for c in cands)
+        assert within or chosen.load / chosen.weight == least, pick.reason
+        chosen.load += 1
