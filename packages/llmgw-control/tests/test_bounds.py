@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_control.bounds import Bounds, admit_shard, clip, clip_status, register_problem
+from llmgw_control.bounds import (
+    Bounds,
+    admit_shard,
+    clip,
+    clip_status,
+    register_problem,
+    status_problem,
+)
 from llmgw_control.config import load_control_config
 from llmgw_proto import v1
 from llmgw_proto.config import ConfigError
@@ -98,3 +105,21 @@ def test_max_message_bytes_defaults_to_four_mebibytes(tmp_path: Path) -> None:
 def test_a_tiny_max_message_bytes_is_a_located_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"max_message_bytes"):
         load_control_config(write(tmp_path, "max_message_bytes: 100\n"))
+
+
+def test_a_status_no_node_could_mean_is_named() -> None:
+    assert status_problem(v1.ShardStatus(shard_id="m.p.abc-0", gpu_indices=[0, 1]), B) is None
+    long_id = status_problem(v1.ShardStatus(shard_id="s" * 1025), B)
+    assert long_id == "shard_id: 1025 characters, at most 1024"
+    url = status_problem(v1.ShardStatus(shard_id="s", endpoint_url="u" * 5000), B)
+    assert url is not None
+    assert url.startswith("endpoint_url: 5000")
+    many = status_problem(v1.ShardStatus(shard_id="s", gpu_indices=list(range(257))), B)
+    assert many == "gpu_indices: 257 indices, at most 256"
+
+
+@given(st.integers(0, 2000), st.integers(0, 400))
+def test_status_bounds_hold_exactly(id_length: int, gpus: int) -> None:
+    msg = v1.ShardStatus(shard_id="s" * id_length, gpu_indices=list(range(gpus)))
+    problem = status_problem(msg, B)
+    assert (problem is None) == (id_length <= B.status_id and gpus <= B.gpu_indices)

@@ -322,6 +322,9 @@ async def test_what_one_node_may_report_is_bounded(
     node = agent_factory(control.grpc_port, "gpu-b", ssl=as_node(tmp_path, "gpu-b"))
     node.start()
     await until(node.connected.is_set, "gpu-b registered")
+    # Not a status any node could mean: a 5,000-character id, 100,000 GPU indices.
+    await node.status(node.stream, "i" * 5000, "r", S.READY)
+    await node.status(node.stream, "gpus", "r", S.READY, gpu_indices=list(range(100_000)))
     for i in range(3000):
         await node.status(node.stream, f"invented-{i}", f"r{i}", S.READY)
     await node.status(node.stream, "last", "r-last", S.FAILED, reason="why " * 100_000)
@@ -334,8 +337,10 @@ async def test_what_one_node_may_report_is_bounded(
     assert gpu_b["shards"] == 256
     assert node.connected.is_set(), "the stream stays: the node is bounded, not cut off"
     assert [n["node_id"] for n in state["nodes"]] == ["gpu-b"]
+    assert refusals(await metrics(control), "agent", "shard status too large") == 2
     log = control.proc.output()
     assert "shard status dropped" in log
+    assert "gpu_indices: 100000 indices, at most 256" in log
     assert log.count("shard status dropped") < 10, "one warning per thousand, not per status"
 
 

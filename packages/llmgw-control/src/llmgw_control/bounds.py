@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from llmgw_proto import v1
 
-__all__ = ["Bounds", "admit_shard", "clip", "clip_status", "register_problem"]
+__all__ = ["Bounds", "admit_shard", "clip", "clip_status", "register_problem", "status_problem"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,10 @@ class Bounds:
     # ShardStatus.reason and output_tail are kept cut to these many characters.
     reason: int = 4096
     output_tail: int = 64 * 1024
+    # A shard status with an id, replica id or endpoint URL longer than this, or more GPU
+    # indices than this, is not a real one: it is dropped.
+    status_id: int = 1024
+    gpu_indices: int = 256
 
 
 def register_problem(msg: v1.Register, bounds: Bounds, size: int | None = None) -> str | None:
@@ -56,6 +60,17 @@ def register_problem(msg: v1.Register, bounds: Bounds, size: int | None = None) 
     encoded = size if size is not None else len(bytes(msg))
     if encoded > bounds.register_bytes:
         return f"the Register is {encoded} bytes, at most {bounds.register_bytes}"
+    return None
+
+
+def status_problem(msg: v1.ShardStatus, bounds: Bounds) -> str | None:
+    """Pure: why a shard status is not one a node could mean (naming the field), or None."""
+    for field in ("shard_id", "replica_id", "endpoint_url"):
+        value = getattr(msg, field)
+        if len(value) > bounds.status_id:
+            return f"{field}: {len(value)} characters, at most {bounds.status_id}"
+    if len(msg.gpu_indices) > bounds.gpu_indices:
+        return f"gpu_indices: {len(msg.gpu_indices)} indices, at most {bounds.gpu_indices}"
     return None
 
 

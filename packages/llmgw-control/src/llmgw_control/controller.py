@@ -22,7 +22,7 @@ from llmgw_proto import v1
 from llmgw_control import status as status_view
 from llmgw_control.agent_service import AgentService, Session
 from llmgw_control.autoscaler import Autoscaler
-from llmgw_control.bounds import admit_shard, clip_status
+from llmgw_control.bounds import admit_shard, clip_status, status_problem
 from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, NodeState
@@ -158,6 +158,11 @@ class Controller:
         self._changed()
 
     def on_heartbeat(self, session: Session, msg: v1.Heartbeat) -> None:
+        node = self.inventory.nodes.get(session.node_id)
+        if node is not None and len(msg.gpus) > len(node.gpus):
+            # Figures only for the GPUs the node registered: no more entries than those.
+            registered = {g.index for g in node.gpus}
+            msg.gpus = [g for g in msg.gpus if g.index in registered][: len(node.gpus)]
         self.inventory.heartbeat(session.node_id, session.session_id, msg, time.monotonic())
         self.publisher.loads.heard(session.node_id, time.monotonic())
         node = self.inventory.nodes.get(session.node_id)
@@ -166,6 +171,17 @@ class Controller:
 
     def on_shard_status(self, session: Session, msg: v1.ShardStatus) -> None:
         bounds = self.agents.bounds
+        problem = status_problem(msg, bounds)
+        if problem is not None:
+            session.dropped += 1
+            self.metrics.refusals.labels("agent", "shard status too large").inc()
+            log.warning(
+                "shard status dropped",
+                node_id=session.node_id,
+                peer=session.peer_host,
+                why=problem,
+            )
+            return
         node = self.inventory.nodes.get(session.node_id)
         if node is not None and not admit_shard(
             held=len(node.shards),
