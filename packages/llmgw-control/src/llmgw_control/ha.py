@@ -482,14 +482,33 @@ class Leadership:
             return
         asked = time.monotonic()
         left = self.valid_until - asked
-        try:
-            ok = left > 0 and await _within(self.backend.renew(), left)
-            why = "the store says this instance no longer leads"
-        except TimeoutError:
-            ok, why = False, f"no renewal within the lease ({self.ttl:g}s)"
-        except StoreError as err:
-            ok, why = False, f"renewal failed: {err}"
-        if ok and time.monotonic() < self.valid_until:
+        since = asked - self._last_good
+        if left <= 0:
+            # This instance (its renewal thread) did not run in time: frozen, starved.
+            ok, why = (
+                False,
+                (
+                    f"the lease deadline passed before a renewal was sent ({since:.3g}s since "
+                    f"the last good one, lease {self.ttl:g}s): this instance was held up"
+                ),
+            )
+        else:
+            try:
+                ok = await _within(self.backend.renew(), left)
+                why = "the store says this instance no longer leads"
+            except TimeoutError:
+                ok, why = False, f"no renewal within the lease ({self.ttl:g}s)"
+            except StoreError as err:
+                ok, why = False, f"renewal failed: {err}"
+            if ok and time.monotonic() >= self.valid_until:
+                ok, why = (
+                    False,
+                    (
+                        f"the lease deadline passed before the renewal came back (it took "
+                        f"{time.monotonic() - asked:.3g}s, lease {self.ttl:g}s)"
+                    ),
+                )
+        if ok:
             with self._lock:
                 if self.leading:
                     self.valid_until = asked + self.ttl
@@ -538,6 +557,8 @@ class LeaderGate:
         self.is_leader = is_leader
         self.leader = leader
         self._calls: set[asyncio.Task[Any]] = set()
+        # Calls end_all() cancelled, and why (a cancellation from elsewhere is no step-down).
+        self._ending: dict[asyncio.Task[Any], str] = {}
 
     def __mapping__(self) -> dict[str, Any]:
         import grpclib.const
@@ -564,13 +585,27 @@ class LeaderGate:
             try:
                 await func(stream)
             except asyncio.CancelledError:
-                if self.is_leader():
+                why = self._ending.pop(task, None)
+                if why is None or self.is_leader():
+                    raise  # not ended by end_all(): a server stop, grpclib's own
+                # Ended because the lead was lost: say where to go instead, unless the
+                # peer ended the stream meanwhile (then grpclib must see its own
+                # cancellation, or it logs "Failed to handle cancellation").
+                log.info(
+                    "call ended: this instance no longer leads",
+                    method=getattr(func, "__name__", "?"),
+                    peer=_peer(stream),
+                    why=why,
+                    leader=self.leader() or None,
+                )
+                if not _terminated(stream):
+                    with contextlib.suppress(Exception):
+                        await self.refuse(stream)
+                if _terminated(stream):
                     raise
-                # Ended because the lead was lost: say where to go instead.
-                with contextlib.suppress(Exception):
-                    await self.refuse(stream)
             finally:
                 self._calls.discard(task)
+                self._ending.pop(task, None)
 
         return gated
 
@@ -589,9 +624,26 @@ class LeaderGate:
             metadata={LEADER_METADATA: address} if address else None,
         )
 
-    def end_all(self) -> None:
+    def end_all(self, why: str = "the lead was lost") -> None:
+        """End every call in progress (the lead was lost): each says where to go."""
         for task in list(self._calls):
+            self._ending[task] = why
             task.cancel()
+
+
+def _terminated(stream: Any) -> bool:
+    """Has the peer (a reset, a lost connection) ended ``stream``? grpclib then
+    cancels the handler itself and expects that cancellation to come out of it."""
+    wrapper = getattr(getattr(stream, "_stream", None), "wrapper", None)
+    return bool(getattr(wrapper, "cancelled", False))
+
+
+def _peer(stream: Any) -> str | None:
+    peer = getattr(stream, "peer", None)
+    with contextlib.suppress(Exception):
+        addr = peer.addr() if peer is not None else None
+        return f"{addr[0]}:{addr[1]}" if addr else None
+    return None
 
 
 def _admitted_anyway(func: Callable[[Any], Awaitable[None]]) -> bool:

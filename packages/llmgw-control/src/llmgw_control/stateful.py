@@ -173,7 +173,7 @@ class Stateful:
                 task.cancel()
         self._reconciler = self._persist = None
         if self.gate is not None:
-            self.gate.end_all()
+            self.gate.end_all(why)
         self.keeper.reset()
         if self.keeper.persister is not None:
             self.keeper.persister.enabled = False
