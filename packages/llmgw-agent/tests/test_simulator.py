@@ -76,8 +76,15 @@ async def test_simulated_engine_ready_then_stopped(
     assert result.ok, result.error
     reap.append(sup.engines[start.shard_id].pid)
     ready = await statuses.wait(S.READY)
-    # The engine answers the OpenAI API at the URL the agent reports.
-    status, body = await asyncio.to_thread(http_get, ready.endpoint_url + "/v1/models", 10.0)
+    # The engine answers the OpenAI API at the URL the agent reports, to whoever has the
+    # secret the agent reported with READY (the router), and to nobody else.
+    assert len(ready.api_key) >= 32
+    # (llama-server leaves /v1/models open and guards /metrics.)
+    guarded = ready.endpoint_url + ("/metrics" if engine == "llamacpp" else "/v1/models")
+    status, _ = await asyncio.to_thread(http_get, guarded, 10.0)
+    assert status == 401
+    url = ready.endpoint_url + "/v1/models"
+    status, body = await asyncio.to_thread(_get_with_key, url, ready.api_key)
     assert status == 200
     models = json.loads(body)
     assert "qwen" in [m["id"] for m in models["data"]]
@@ -100,11 +107,16 @@ async def test_simulated_engine_ready_then_stopped(
     assert [s.state for s in statuses] == [S.VALIDATING, S.STARTING, S.READY, S.STOPPED]
 
 
-def _slow_completion(url: str) -> int:
+def _get_with_key(url: str, api_key: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return int(response.status), response.read()
+
+
+def _slow_completion(url: str, api_key: str) -> int:
     body = json.dumps({"model": "qwen", "prompt": "hi", "max_tokens": 30}).encode()
-    request = urllib.request.Request(
-        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=60) as response:
         return int(response.status)
 
@@ -119,7 +131,9 @@ async def test_drain_waits_for_a_request_in_flight(
     assert sup.start(start).ok
     reap.append(sup.engines[start.shard_id].pid)
     ready = await statuses.wait(S.READY)
-    request = asyncio.create_task(asyncio.to_thread(_slow_completion, ready.endpoint_url))
+    request = asyncio.create_task(
+        asyncio.to_thread(_slow_completion, ready.endpoint_url, ready.api_key)
+    )
     engine = sup.engines[start.shard_id]
 
     async def busy() -> bool:
