@@ -328,7 +328,9 @@ async def test_restarted_agent_readopts_live_engine(
     assert first.start(start).ok
     pid = first.engines[start.shard_id].pid
     reap.append(pid)
-    await first_statuses.wait(start.shard_id, S.READY)
+    ready = await first_statuses.wait(start.shard_id, S.READY)
+    secret = ready.api_key  # the engine's, given at launch (issue 24.3)
+    assert len(secret) >= 32
     # The agent goes away (an upgrade): the engine keeps running.
     await first.close(stop_engines=False)
     assert alive(pid)
@@ -340,6 +342,9 @@ async def test_restarted_agent_readopts_live_engine(
     [running] = second.running_shards()
     assert (running.pid, running.state, running.port) == (pid, S.READY, start.port)
     assert running.endpoint_url == f"http://127.0.0.1:{start.port}"
+    # It keeps its secret (from the record): Register reports it, the polls send it.
+    assert running.api_key == secret
+    assert [source.api_key for source in second.load_sources()] == [secret]
     # It still holds its GPUs and port against new shards.
     refused = second.start(kit.make_start(shard_id="x-0", port=start.port, gpu_indices=[0]))
     assert not refused.ok
