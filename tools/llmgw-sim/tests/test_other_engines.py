@@ -5,27 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import openai
 from llmgw_sim.metrics import parse_prometheus
 from llmgw_sim.testing import SIM, Sim, engine_argv, run_to_exit, start
 from llmgw_testkit import Proc, free_port, http_get, wait_for
+from llmgw_testkit.checks import stream_chat_with_usage
 
 
 def _stream_with_usage(sim: Sim, model: str, api_key: str = "none") -> None:
-    with openai.OpenAI(base_url=sim.url + "/v1", api_key=api_key, max_retries=0) as c:
-        chunks = list(
-            c.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": "hello"}],
-                max_tokens=6,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 6
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 6
+    got = stream_chat_with_usage(sim.url, model, max_tokens=6, api_key=api_key)
+    assert got.chunks[0].choices[0].delta.role == "assistant"
+    assert len(got.pieces) == 6
+    assert got.chunks[-1].usage is not None
+    assert got.chunks[-1].usage.completion_tokens == 6
 
 
 def test_sglang_health_is_503_while_loading(tmp_path: Path) -> None:

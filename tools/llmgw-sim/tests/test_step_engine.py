@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 from llmgw_sim.metrics import parse_prometheus
 from llmgw_sim.testing import Sim, engine_argv, run_to_exit, start
 from llmgw_testkit import free_port, wait_for
+from llmgw_testkit.checks import stream_chat_with_usage
 
 STEP = ["--sim-scheduler", "step"]
 SYSTEM = " ".join(f"rule{i}" for i in range(400))  # a 400-token shared system prompt
@@ -99,23 +99,13 @@ def test_token_budget_bounds_every_step(tmp_path: Path) -> None:
 
 
 def test_streams_one_chunk_per_token_through_the_openai_client(tmp_path: Path) -> None:
-    with (
-        start(tmp_path, "vllm", [*STEP, "--sim-step-time", "0.005"]) as sim,
-        openai.OpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
-    ):
-        stream = client.chat.completions.create(
-            model="org/model",
-            messages=[{"role": "user", "content": "count"}],
-            max_tokens=12,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-        contents = [c.choices[0].delta.content for c in chunks if c.choices]
+    with start(tmp_path, "vllm", [*STEP, "--sim-step-time", "0.005"]) as sim:
+        got = stream_chat_with_usage(sim.url, "org/model", max_tokens=12, content="count")
+        contents = got.deltas
         assert contents[0] == ""  # the role chunk
         assert len([c for c in contents[1:] if c]) == 12
-        assert chunks[-1].usage is not None
-        assert chunks[-1].usage.completion_tokens == 12
+        assert got.chunks[-1].usage is not None
+        assert got.chunks[-1].usage.completion_tokens == 12
 
 
 def test_client_leaving_frees_its_slot_and_blocks(tmp_path: Path) -> None:

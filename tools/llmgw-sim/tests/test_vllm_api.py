@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 from llmgw_sim.testing import Sim, start
+from llmgw_testkit.checks import stream_chat_with_usage
 
 KEY = "sekrit"
 
@@ -66,22 +67,14 @@ def test_chat_non_streaming_carries_usage(vllm: Sim, client: httpx.Client) -> No
     assert usage["prompt_tokens"] > 0
 
 
-def test_openai_chat_stream_with_usage(oai: openai.OpenAI) -> None:
-    stream = oai.chat.completions.create(
-        model="m-alias",
-        messages=[{"role": "user", "content": "Count to ten"}],
-        max_tokens=12,
-        stream=True,
-        stream_options={"include_usage": True},
+def test_openai_chat_stream_with_usage(vllm: Sim) -> None:
+    got = stream_chat_with_usage(
+        vllm.url, "m-alias", max_tokens=12, content="Count to ten", api_key=KEY
     )
-    chunks = list(stream)
+    chunks = got.chunks
     assert chunks[0].choices[0].delta.role == "assistant"
-    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(content) == 12
-    finishes = [
-        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
-    ]
-    assert finishes == ["length"]
+    assert len(got.pieces) == 12
+    assert got.finishes == ["length"]
     last = chunks[-1]
     assert last.choices == []
     assert last.usage is not None
