@@ -15,7 +15,7 @@ import ssl as ssl_module
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import grpclib.client
 import grpclib.const
@@ -28,6 +28,8 @@ from llmgw_testkit import Proc, free_port, http_get, wait_for_async
 S = v1.ShardState
 GiB = 2**30
 CONNECT = "/llmgw.v1.AgentService/Connect"
+M = TypeVar("M")
+T = TypeVar("T")
 
 FAST = {
     "interval": "0.2s",
@@ -397,15 +399,35 @@ async def watcher_factory() -> AsyncIterator[Callable[[int], Watcher]]:
         await w.stop()
 
 
-class Watcher:
-    """A router's end of EndpointService.Watch, collecting every snapshot."""
+@pytest.fixture
+async def load_watcher_factory() -> AsyncIterator[Callable[..., LoadWatcher]]:
+    """Start a LoadWatcher (port, router_id) on a control plane; all are stopped at the end."""
+    made: list[LoadWatcher] = []
 
-    def __init__(self, port: int) -> None:
+    def make(port: int, router_id: str = "r1") -> LoadWatcher:
+        w = LoadWatcher(port, router_id).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        await w.stop()
+
+
+class EndpointStream(Generic[M]):
+    """A router's end of one EndpointService stream (Watch, WatchLoad), collecting every
+    message it receives until stopped."""
+
+    def __init__(self, port: int, router_id: str) -> None:
         self.port = port
-        self.snapshots: list[v1.EndpointSnapshot] = []
+        self.router_id = router_id
+        self.received: list[M] = []
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> Watcher:
+    def open(self, stub: v1.EndpointServiceStub, request: v1.WatchRequest) -> AsyncIterator[M]:
+        raise NotImplementedError
+
+    def start(self) -> Self:
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -413,8 +435,8 @@ class Watcher:
         channel = grpclib.client.Channel("127.0.0.1", self.port)
         try:
             stub = v1.EndpointServiceStub(channel)
-            async for snap in stub.watch(v1.WatchRequest(router_id="test-router")):
-                self.snapshots.append(snap)
+            async for message in self.open(stub, v1.WatchRequest(router_id=self.router_id)):
+                self.received.append(message)
         finally:
             channel.close()
 
@@ -424,14 +446,62 @@ class Watcher:
             with contextlib.suppress(BaseException):
                 await self._task
 
+    async def wait(self, probe: Callable[[], T | None], what: str, timeout: float) -> T:
+        async def check() -> T | None:
+            return probe()
+
+        return await wait_for_async(check, timeout=timeout, interval=0.05, what=what)
+
+
+class Watcher(EndpointStream[v1.EndpointSnapshot]):
+    """A router's end of EndpointService.Watch, collecting every snapshot."""
+
+    def __init__(self, port: int, router_id: str = "test-router") -> None:
+        super().__init__(port, router_id)
+
+    def open(
+        self, stub: v1.EndpointServiceStub, request: v1.WatchRequest
+    ) -> AsyncIterator[v1.EndpointSnapshot]:
+        return stub.watch(request)
+
+    @property
+    def snapshots(self) -> list[v1.EndpointSnapshot]:
+        return self.received
+
     def latest(self) -> v1.EndpointSnapshot | None:
         return self.snapshots[-1] if self.snapshots else None
 
     async def until(
         self, check: Callable[[v1.EndpointSnapshot], bool], what: str, timeout: float = 30.0
     ) -> v1.EndpointSnapshot:
-        async def probe() -> v1.EndpointSnapshot | None:
+        def probe() -> v1.EndpointSnapshot | None:
             snap = self.latest()
             return snap if snap is not None and check(snap) else None
 
-        return await wait_for_async(probe, timeout=timeout, interval=0.05, what=what)
+        return await self.wait(probe, what, timeout)
+
+
+class LoadWatcher(EndpointStream[v1.LoadUpdate]):
+    """A router's end of EndpointService.WatchLoad, collecting every update."""
+
+    def __init__(self, port: int, router_id: str = "r1") -> None:
+        super().__init__(port, router_id)
+
+    def open(
+        self, stub: v1.EndpointServiceStub, request: v1.WatchRequest
+    ) -> AsyncIterator[v1.LoadUpdate]:
+        return stub.watch_load(request)
+
+    @property
+    def updates(self) -> list[v1.LoadUpdate]:
+        return self.received
+
+    def latest_load(self, endpoint_id: str) -> v1.EndpointLoad | None:
+        for update in reversed(self.updates):
+            for load in update.loads:
+                if load.endpoint_id == endpoint_id:
+                    return load
+        return None
+
+    async def until(self, check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+        return await self.wait(check, what, timeout)

@@ -6,16 +6,12 @@ its stream, and routers' ends of Watch and WatchLoad, all over real gRPC streams
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as dt
 import signal
 from collections.abc import Callable
 from typing import Any
 
-import grpclib.client
 from llmgw_proto import v1
-from llmgw_testkit import wait_for_async
 
 Factory = Callable[..., Any]
 
@@ -25,48 +21,6 @@ def model(name: str = "m", replicas: int = 1) -> dict[str, Any]:
         "name": name,
         "profiles": {"p": {"engine": "vllm", "gpus_per_node": 1, "replicas": replicas}},
     }
-
-
-class LoadWatcher:
-    """A router's end of EndpointService.WatchLoad, collecting every update."""
-
-    def __init__(self, port: int, router_id: str = "r1") -> None:
-        self.port = port
-        self.router_id = router_id
-        self.updates: list[v1.LoadUpdate] = []
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> LoadWatcher:
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    async def _run(self) -> None:
-        channel = grpclib.client.Channel("127.0.0.1", self.port)
-        try:
-            stub = v1.EndpointServiceStub(channel)
-            async for update in stub.watch_load(v1.WatchRequest(router_id=self.router_id)):
-                self.updates.append(update)
-        finally:
-            channel.close()
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-
-    def latest_load(self, endpoint_id: str) -> v1.EndpointLoad | None:
-        for update in reversed(self.updates):
-            for load in update.loads:
-                if load.endpoint_id == endpoint_id:
-                    return load
-        return None
-
-    async def until(self, check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-        async def probe() -> Any:
-            return check()
-
-        return await wait_for_async(probe, timeout=timeout, interval=0.05, what=what)
 
 
 def load_report(shard_id: str, *, waiting: int, running: int, kv: float) -> v1.AgentMessage:
@@ -85,7 +39,10 @@ def load_report(shard_id: str, *, waiting: int, running: int, kv: float) -> v1.A
 
 
 async def test_load_reaches_routers_apart_from_snapshots(
-    control_factory: Factory, agent_factory: Factory, watcher_factory: Factory
+    control_factory: Factory,
+    agent_factory: Factory,
+    watcher_factory: Factory,
+    load_watcher_factory: Factory,
 ) -> None:
     control = control_factory([model(replicas=2)], load_interval="100ms")
     agent = agent_factory(control.grpc_port, "gpu-a")
@@ -101,10 +58,10 @@ async def test_load_reaches_routers_apart_from_snapshots(
     assert first.engine == v1.EngineKind.VLLM
     shard_of = {s.replica_id: s.shard_id for s in agent.starts()}
 
-    routers = [LoadWatcher(control.grpc_port, f"r{i}").start() for i in range(2)]
+    routers = [load_watcher_factory(control.grpc_port, f"r{i}") for i in range(2)]
     try:
         for router in routers:
-            await router.until(lambda r=router: r.updates, "the full picture on subscribe")  # type: ignore[misc]
+            await router.until(lambda r=router: r.updates, "the full picture on subscribe")
             full = router.updates[0]
             assert full.full
             assert sorted(x.endpoint_id for x in full.loads) == [first.id, second.id]
@@ -113,7 +70,7 @@ async def test_load_reaches_routers_apart_from_snapshots(
         await agent.send(load_report(shard_of[first.id], waiting=5, running=3, kv=0.5))
         for router in routers:
             load = await router.until(
-                lambda r=router: (x := r.latest_load(first.id)) is not None and x.known and x,  # type: ignore[misc]
+                lambda r=router: (x := r.latest_load(first.id)) is not None and x.known and x,
                 "the reported load at the router",
             )
             assert (load.waiting, load.running) == (5, 3)
@@ -149,7 +106,7 @@ async def test_load_reaches_routers_apart_from_snapshots(
         assert replica["load"]["waiting"] == 9
 
         # A router that subscribes now gets the whole picture at once, blocks included.
-        late = LoadWatcher(control.grpc_port, "late").start()
+        late = load_watcher_factory(control.grpc_port, "late")
         routers.append(late)
         await late.until(lambda: late.updates, "the late router's full picture")
         assert late.updates[0].full
@@ -170,7 +127,7 @@ async def test_load_reaches_routers_apart_from_snapshots(
             lambda: (x := routers[0].latest_load(gone)) is not None and not x.known and x,
             "the gone endpoint unknown at the router",
         )
-        newest = LoadWatcher(control.grpc_port, "newest").start()
+        newest = load_watcher_factory(control.grpc_port, "newest")
         routers.append(newest)
         await newest.until(lambda: newest.updates, "a full picture after the drain")
         assert [x.endpoint_id for x in newest.updates[0].loads] == [kept.id]
