@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import threading
 import time
@@ -352,3 +353,106 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+# --- issue 24 point 11: a frozen (SIGSTOP) leader is left for the new one -------------
+
+# Pings every 500 ms, given up after 1.5 s unanswered: short, to keep the test quick.
+QUICK_KEEPALIVE = {"keepalive": "500ms", "keepalive_timeout": "1500ms"}
+UNREACHABLE_AFTER = 6.0
+
+
+def _router_control(cluster: Cluster) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{cluster.router_admin_port}/v1/endpoints"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        control: dict[str, Any] = json.loads(resp.read())["control"]
+        return control
+
+
+def test_a_frozen_leader_is_left_for_the_new_one(cluster: Cluster, tmp_path: Path) -> None:
+    """SIGSTOP the leader for longer than unreachable_after, under load, its connections
+    left open: the agents and the router give its streams up (unanswered pings) and
+    follow the standby's answer to the new leader, which sees both nodes READY while
+    the old one is still frozen. No request fails, no engine restarts, no replica is
+    replaced (the new leader sends no command)."""
+    # etcd only: a frozen PostgreSQL leader's session keeps its advisory lock (the
+    # server cannot tell a frozen client from an idle one), so no standby takes over.
+    etcd = Etcd(tmp_path / "etcd")
+    frozen: Instance | None = None
+    try:
+        cluster.timings.update(
+            unreachable_after=f"{UNREACHABLE_AFTER:g}s", lost_after="60s", startup_grace="1s"
+        )
+        a = Instance(cluster, "a", state_for("etcd", etcd))
+        b = Instance(cluster, "b", state_for("etcd", etcd))
+        cluster.control_addresses = [a.address, b.address]
+        a.start()
+        wait_for(a.leads, timeout=30, what="a leads")
+        b.start()
+        wait_for(lambda: b.metrics() is not None and not b.leads(), timeout=30, what="b stands by")
+        a.view()
+        for node in ("gpu-a", "gpu-b"):
+            config = cluster.agent_config(node, gpus=1)
+            config["control"].update(QUICK_KEEPALIVE)
+            path = cluster.write(f"agent-{node}.yaml", config)
+            argv = [bin_path("llmgw-agent"), "run", "--config", str(path), "--log-format", "json"]
+            cluster.agents[node] = cluster._start(f"agent-{node}", argv)
+        router = cluster.router_config()
+        router["control"].update(QUICK_KEEPALIVE)
+        cluster.start_router(control=router["control"])
+        cluster.wait_replicas("chat", 2)
+        cluster.wait_router_models("chat")
+        wait_for(lambda: router_endpoints(cluster) == 2, timeout=30, what="router has 2 endpoints")
+        assert _router_control(cluster)["address"] == a.address
+        before = both_ready(cluster)
+        assert before is not None
+        results: list[str] = []
+        with traffic(cluster, results), EndpointWatch(cluster) as watch:
+            wait_for(lambda: len(results) >= 10, timeout=30, what="traffic flowing")
+            assert a.proc is not None
+            a.proc.signal(signal.SIGSTOP)
+            frozen, stopped_at = a, time.monotonic()
+            wait_for(b.leads, timeout=60, what="b leads while a is frozen")
+            b.view()
+            # While a stays frozen: both agents have left it for b, and the router too.
+            wait_for(
+                lambda: (
+                    [n["state"] for n in cluster.status()["nodes"]] == ["READY", "READY"]
+                    and both_ready(cluster) == before
+                ),
+                timeout=60,
+                what="both nodes READY and both replicas ready under b, a still frozen",
+            )
+            wait_for(
+                lambda: (
+                    _router_control(cluster)["address"] == b.address
+                    and _router_control(cluster)["connected"]
+                ),
+                timeout=60,
+                what="the router on b, a still frozen",
+            )
+            # Frozen for longer than unreachable_after: b keeps both nodes READY.
+            wait_for(
+                lambda: time.monotonic() - stopped_at > 2 * UNREACHABLE_AFTER,
+                timeout=60,
+                what="a frozen for twice unreachable_after",
+            )
+            assert [n["state"] for n in cluster.status()["nodes"]] == ["READY", "READY"]
+            assert _router_control(cluster)["address"] == b.address
+            more = len(results)
+            wait_for(lambda: len(results) >= more + 10, timeout=30, what="traffic under b")
+            a.proc.signal(signal.SIGCONT)
+            frozen = None
+            # Resumed, a finds its lease gone and stands by; b keeps leading.
+            wait_for(lambda: not a.leads(), timeout=60, what="a stands by once resumed")
+            assert b.leads()
+        assert both_ready(cluster) == before, "no engine restarted, no replica replaced"
+        assert b.value("llmgw_control_commands_total") == 0, "b sent no command"
+        assert watch.samples
+        assert min(watch.samples) == 2, "the router kept both endpoints"
+        failures = [r for r in results if r != "ok"]
+        assert failures == [], failures[:5]
+    finally:
+        if frozen is not None and frozen.proc is not None and frozen.proc.alive():
+            frozen.proc.signal(signal.SIGCONT)
+        etcd.stop()

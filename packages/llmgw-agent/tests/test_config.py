@@ -81,6 +81,14 @@ stop_engines_on_exit: true
         ("engines: {vllm: {command: []}}\n", "$.engines.vllm.command"),
         ("labels: {a: 1}\n", "$.labels.a"),
         ("base_backoff: 5s\nmax_backoff: 1s\n", "$.max_backoff"),
+        (
+            "control: {tls: {insecure: true}, keepalive: 0s}\n",
+            "$.control.keepalive: must be > 0",
+        ),
+        (
+            "control: {tls: {insecure: true}, keepalive_timeout: 0s}\n",
+            "$.control.keepalive_timeout: must be > 0",
+        ),
     ],
 )
 def test_errors_name_file_and_field(tmp_path: Path, text: str, where: str) -> None:

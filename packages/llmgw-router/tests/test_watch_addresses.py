@@ -4,10 +4,13 @@ the leader a standby named (issue 14.2). In-process: no control plane needed."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
+import pytest
 from llmgw_proto.addr import HostPort
+from llmgw_proto.config import ConfigError, load
 from llmgw_proto.tls import TlsConfig
-from llmgw_router.config import ControlConfig, RouterConfig
+from llmgw_router.config import ControlConfig, RouterConfig, validate
 from llmgw_router.endpoints import EndpointSet
 from llmgw_router.metrics import Metrics
 from llmgw_router.state import RouterState
@@ -52,3 +55,24 @@ def test_leader_metadata() -> None:
     assert _leader_from({"llmgw-leader": "nonsense"}) is None
     assert _leader_from({}) is None
     assert _leader_from(None) is None
+
+
+async def test_keepalive_settings_are_checked_and_named(tmp_path: Path) -> None:
+    """Issue 24 point 11: the control connection's pings are configurable; a value
+    grpclib would refuse is named in the config error."""
+    for field in ("keepalive", "keepalive_timeout"):
+        path = tmp_path / f"{field}.yaml"
+        path.write_text(
+            "control: {address: 127.0.0.1:7070, tls: {insecure: true}, " + field + ": 0s}\n"
+        )
+        with pytest.raises(ConfigError) as err:
+            validate(load(path, RouterConfig), str(path))
+        assert f"$.control.{field}" in str(err.value)
+        assert "must be > 0" in str(err.value)
+    w = watcher(address="127.0.0.1:7070", keepalive=0.5, keepalive_timeout=1.5)
+    channel = w._channel("127.0.0.1", 7070, None)
+    config = channel._config
+    channel.close()
+    assert config._keepalive_time == 0.5
+    assert config._keepalive_timeout == 1.5
+    assert config._http2_max_pings_without_data == 0

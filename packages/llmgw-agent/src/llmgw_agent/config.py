@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 from llmgw_proto.addr import parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, convert, read
+from llmgw_proto.keepalive import keepalive_problem
 from llmgw_proto.sizes import parse_size
 from llmgw_proto.tls import TlsConfig
 
@@ -41,6 +42,11 @@ class ControlConfig(BaseConfig):
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     # How long to wait for RegisterAck before giving up on a connection attempt.
     register_timeout: Duration = Duration(30.0)
+    # An HTTP/2 ping every `keepalive`; one unanswered for `keepalive_timeout` gives the
+    # stream up (a control plane frozen or gone without closing the connection), and
+    # the next control plane is tried.
+    keepalive: Duration = Duration(10.0)
+    keepalive_timeout: Duration = Duration(20.0)
 
 
 class SimulatedGpus(BaseConfig):
@@ -140,6 +146,9 @@ def _check(config: AgentConfig, source: str) -> AgentConfig:
     """Cross-field rules msgspec cannot express."""
     if config.max_backoff < config.base_backoff or config.base_backoff <= 0:
         raise ConfigError(source, "must be >= base_backoff and base_backoff > 0", "$.max_backoff")
+    problem = keepalive_problem(config.control.keepalive, config.control.keepalive_timeout)
+    if problem is not None:
+        raise ConfigError(source, problem[1], f"$.control.{problem[0]}")
     if config.simulate_gpus is not None:
         try:
             parse_size(config.simulate_gpus.memory)

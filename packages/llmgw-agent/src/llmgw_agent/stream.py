@@ -30,12 +30,12 @@ from typing import Protocol
 import grpclib.const
 import structlog
 from grpclib.client import Stream
-from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport
 from llmgw_proto.backoff import Backoff
 from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, BoundedChannel
+from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader
 
 from llmgw_agent.config import AgentConfig
@@ -279,12 +279,9 @@ class ControlLink:
             # Commands and acks are small: gRPC's usual 4 MiB bound on what is read.
             max_message=DEFAULT_MAX_MESSAGE,
             on_refused=_too_large,
-            # Pings find a control plane that vanished without closing the connection.
-            config=Configuration(
-                _keepalive_time=10.0,
-                _keepalive_timeout=20.0,
-                _keepalive_permit_without_calls=True,
-            ),
+            # Pings find a control plane that froze or vanished without closing the
+            # connection: one unanswered for keepalive_timeout ends the stream.
+            config=keepalive(self.config.control.keepalive, self.config.control.keepalive_timeout),
         )
         opened: list[AgentStream] = []
         try:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 from llmgw_proto.addr import HostPort, parse_endpoint_url, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
+from llmgw_proto.keepalive import keepalive_problem
 from llmgw_proto.tls import TlsConfig
 
 from llmgw_router.tokens import PromptTokenizer, TokenizerError
@@ -210,6 +211,11 @@ class ControlConfig(BaseConfig):
     router_id: str = ""
     backoff_base: Duration = Duration(0.5)
     backoff_cap: Duration = Duration(30.0)
+    # An HTTP/2 ping every `keepalive`; one unanswered for `keepalive_timeout` gives the
+    # streams up (a control plane frozen or gone without closing the connection), and
+    # the next control plane is tried.
+    keepalive: Duration = Duration(10.0)
+    keepalive_timeout: Duration = Duration(10.0)
 
     def targets(self) -> list[HostPort]:
         """Every configured control-plane address, `address` first."""
@@ -335,6 +341,9 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
         raise ConfigError(source, "must be >= ejection.base_time", "$.ejection.max_time")
     if cfg.control is not None:
         control = cfg.control
+        problem = keepalive_problem(control.keepalive, control.keepalive_timeout)
+        if problem is not None:
+            raise ConfigError(source, problem[1], f"$.control.{problem[0]}")
         if not control.address and not control.addresses:
             raise ConfigError(
                 source, "give `address` or `addresses` (HOST:PORT)", "$.control.address"

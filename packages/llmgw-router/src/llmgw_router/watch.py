@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 
 import structlog
 from grpclib.client import Channel
-from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from llmgw_proto.addr import HostPort, format_hostport, parse_endpoint_url, parse_hostport
 from llmgw_proto.backoff import Backoff
 from llmgw_proto.grpc_limits import BoundedChannel
+from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader, client_context
 from llmgw_proto.v1 import (
     DemandReply,
@@ -301,10 +301,11 @@ class EndpointWatcher:
     # ------------------------------------------------------------------ one session
 
     def _channel(self, host: str, port: int, name: str | None) -> Channel:
-        config = Configuration(
-            # Pings find a control plane that vanished without closing the connection.
-            _keepalive_time=10.0,
-            _keepalive_timeout=10.0,
+        # Pings find a control plane that froze or vanished without closing the
+        # connection: one unanswered for keepalive_timeout ends both streams.
+        config = keepalive(
+            self.control.keepalive,
+            self.control.keepalive_timeout,
             ssl_target_name_override=name if self.ssl is not None else None,
         )
         # Snapshots may be large (about 250 bytes an endpoint): 64 MiB, not gRPC's 4 MiB.
