@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 __all__ = ["block_hash", "root", "token_block_hashes"]
+
+# An array("I") holds little-endian unsigned 32-bit integers here, the bytes hashed.
+_NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def root(lora_name: str | None = None) -> int:
@@ -34,7 +39,11 @@ def root(lora_name: str | None = None) -> int:
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
     """The hash of one full block of ``tokens`` after the block hashed ``parent``."""
     h = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8)
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    if isinstance(tokens, array) and tokens.typecode == "I" and _NATIVE_U32:
+        # The same bytes without an int object per token (a router's prompt tokens).
+        h.update(tokens.tobytes())
+    else:
+        h.update(struct.pack(f"<{len(tokens)}I", *tokens))
     return int.from_bytes(h.digest(), "big")
 
 

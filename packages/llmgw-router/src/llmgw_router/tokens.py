@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
 import sys
 from array import array
@@ -52,7 +53,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from llmgw_proto.token_blocks import block_hash, token_block_hashes
 
@@ -63,6 +64,7 @@ __all__ = [
     "PromptTokenizer",
     "TokenCache",
     "TokenizerError",
+    "Tokens",
     "boundary_pattern",
     "boundary_tokens",
     "cut_segments",
@@ -74,6 +76,9 @@ DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 # rather than the event loop (``tokenizers`` releases the GIL): about 4,000 tokens, a few
 # milliseconds, against the tens of microseconds a thread hop costs.
 OFF_LOOP_CHARS = 16 * 1024
+# A prompt's token ids (unsigned 32-bit, as token_blocks hashes them).
+Tokens: TypeAlias = "array[int]"
+
 # What one cached segment costs besides its text and its tokens (key, entry, dict slot).
 _ENTRY_OVERHEAD = 200
 
@@ -188,14 +193,13 @@ class TokenCache:
             entries.move_to_end(key)
         return found, parent
 
-    def put(self, parent: int, segment: str, tokens: Sequence[int]) -> int:
-        """Caches ``segment``'s tokens under ``parent``; its node."""
+    def put(self, parent: int, segment: str, ids: array[int]) -> int:
+        """Caches ``segment``'s tokens under ``parent`` (kept as given); its node."""
         key = (parent, segment)
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             return entry.node
-        ids = array("I", tokens)
         size = sys.getsizeof(segment) + ids.itemsize * len(ids) + _ENTRY_OVERHEAD
         if size > self.max_bytes:
             # Too big to keep: a node of its own that nothing finds again.
@@ -226,6 +230,10 @@ class PromptTokenizer:
                 f"precise matching needs the tokenizers and jinja2 packages ({err.name} is "
                 "missing): pip install 'llmgw-router[precise]'"
             ) from None
+        # One request's segments are a few small texts: spreading them over the tokenizers
+        # thread pool costs more CPU than it saves, and the router's parallelism is its
+        # workers. (Read at each encoding; a value the operator set stays.)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"no tokenizer.json in {folder}")
@@ -298,7 +306,7 @@ class PromptTokenizer:
         """``text`` cut just before each boundary token (the pieces the cache keeps)."""
         return cut_segments(text, self._cut)
 
-    def _tokens(self, root: int, segments: list[str], add_special_tokens: bool) -> list[int]:
+    def _tokens(self, root: int, segments: list[str], add_special_tokens: bool) -> Tokens:
         found, parent = self._cache.walk(root, segments)
         missing = segments[len(found) :]
         encoded = self._encode_batch(missing, add_special_tokens) if missing else []
@@ -306,7 +314,7 @@ class PromptTokenizer:
 
     async def _tokens_off_loop(
         self, root: int, segments: list[str], add_special_tokens: bool
-    ) -> list[int]:
+    ) -> Tokens:
         found, parent = self._cache.walk(root, segments)
         missing = segments[len(found) :]
         if sum(map(len, missing)) < self._off_loop_chars:
@@ -324,15 +332,18 @@ class PromptTokenizer:
         parent: int,
         missing: list[str],
         encoded: list[list[int]],
-    ) -> list[int]:
+    ) -> Tokens:
         cache = self._cache
-        out: list[int] = []
+        # An array, never a list: copying the cached arrays is a memcpy, where a list
+        # would make an int object of every token (most of this path's cost).
+        out: Tokens = array("I")
         for held in found:
             out.extend(held)
         cached = len(out)
         for segment, ids in zip(missing, encoded, strict=True):
-            parent = cache.put(parent, segment, ids)
-            out.extend(ids)
+            tokens = array("I", ids)
+            parent = cache.put(parent, segment, tokens)
+            out.extend(tokens)
         if cache.on_use is not None:
             cache.on_use(cached, len(out) - cached)
         return out
@@ -341,14 +352,14 @@ class PromptTokenizer:
     def has_chat_template(self) -> bool:
         return self._render is not None
 
-    def chat(self, messages: object) -> list[int] | None:
+    def chat(self, messages: object) -> Tokens | None:
         """The token ids vLLM's chat endpoint gives ``messages``; None when not known here."""
         text = self.render(messages)
         if text is None:
             return None
         return self._tokens(self._chat_root, self.segments(text), False)
 
-    async def chat_async(self, messages: object) -> list[int] | None:
+    async def chat_async(self, messages: object) -> Tokens | None:
         """:meth:`chat`, with a long encoding on a worker thread (off the event loop)."""
         text = self.render(messages)
         if text is None:
@@ -380,7 +391,7 @@ class PromptTokenizer:
             return None
         return text
 
-    def completion(self, prompt: object) -> list[int] | None:
+    def completion(self, prompt: object) -> Tokens | None:
         """The token ids vLLM's completion endpoint gives ``prompt``; None when not known."""
         if isinstance(prompt, str):
             # With the tokenizer's specials (a BOS, perhaps an EOS) the text is not cut:
@@ -388,18 +399,18 @@ class PromptTokenizer:
             return self._tokens(self._completion_root, [prompt], True)
         return _token_list(prompt)
 
-    async def completion_async(self, prompt: object) -> list[int] | None:
+    async def completion_async(self, prompt: object) -> Tokens | None:
         """:meth:`completion`, with a long encoding on a worker thread."""
         if isinstance(prompt, str):
             return await self._tokens_off_loop(self._completion_root, [prompt], True)
         return _token_list(prompt)
 
 
-def _token_list(prompt: object) -> list[int] | None:
+def _token_list(prompt: object) -> Tokens | None:
     if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt
     ):
-        return list(prompt)
+        return array("I", prompt)
     return None
 
 
@@ -408,7 +419,7 @@ class PromptBlocks:
 
     __slots__ = ("_by_size", "max_blocks", "tokens")
 
-    def __init__(self, tokens: list[int], max_blocks: int) -> None:
+    def __init__(self, tokens: Sequence[int], max_blocks: int) -> None:
         self.tokens = tokens
         self.max_blocks = max_blocks
         self._by_size: dict[int, list[int]] = {}

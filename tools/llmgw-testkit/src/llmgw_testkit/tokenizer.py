@@ -30,6 +30,9 @@ def write_word_tokenizer(folder: Path, words: Iterable[str]) -> Path:
         vocab.setdefault(word, len(vocab))
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))  # noqa: S106 (a token, no secret)
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # The markers are special (added) tokens, as a real model's turn markers are: the ids
+    # stay, and the router's token cache can cut a rendered chat at them.
+    tok.add_special_tokens(SPECIALS)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
