@@ -8,6 +8,9 @@ published on loopback only.
 from __future__ import annotations
 
 import json
+import string
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +26,7 @@ from llmgw_agent.adapters import (
 )
 from llmgw_agent.engine_flags import captured
 from llmgw_agent.kv_events import loopback_endpoint, loopback_kv_config
+from llmgw_agent.output import OutputFollower, file_tail
 from llmgw_proto import v1
 
 SPECS = {
@@ -135,3 +139,27 @@ def test_loopback_kv_config_never_raises(raw: str) -> None:
     launched, problem = loopback_kv_config(raw)
     assert isinstance(launched, str)
     assert isinstance(problem, str)
+
+
+def test_engine_output_never_carries_the_secret(tmp_path: Path) -> None:
+    # SGLang prints its server_args, api_key included, at start.
+    out = tmp_path / "engine.log"
+    out.write_text(f"server_args=ServerArgs(port=30000, api_key='{KEY}')\nready\n")
+    follower = OutputFollower(out, "s-0", lines=10, max_bytes=1 << 20, secret=KEY)
+    follower.read_more(final=True)
+    assert follower.tail(10) == "server_args=ServerArgs(port=30000, api_key='***')\nready"
+    adopted = OutputFollower(out, "s-0", lines=10, max_bytes=1 << 20, secret=KEY)
+    adopted.refill()
+    assert KEY not in adopted.tail(10)
+    assert KEY not in file_tail(out, 10, secret=KEY)
+
+
+_SECRETS = st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=1, max_size=8)
+
+
+@given(_SECRETS, st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\n"))))
+def test_a_masked_tail_never_holds_the_secret(secret: str, lines: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "engine.log"
+        out.write_text("".join(f"{line}\n" for line in lines), errors="replace")
+        assert secret not in file_tail(out, len(lines) + 1, secret=secret)

@@ -53,10 +53,20 @@ def poll_lines(paths: Iterable[str]) -> Skip:
 
 class OutputFollower:
     def __init__(
-        self, path: Path, shard_id: str, *, lines: int, max_bytes: int, skip: Skip = _never
+        self,
+        path: Path,
+        shard_id: str,
+        *,
+        lines: int,
+        max_bytes: int,
+        skip: Skip = _never,
+        secret: str = "",
     ) -> None:
         self.path = path
         self.skip = skip
+        # The engine's API key: an engine that prints its arguments (SGLang's server_args)
+        # must not put it into the agent's log or a status's output tail.
+        self.secret = secret
         self.shard_id = shard_id
         self.lines: deque[str] = deque(maxlen=lines)
         self.max_bytes = max_bytes
@@ -75,7 +85,7 @@ class OutputFollower:
             return
         # A read that starts mid-file starts mid-line: drop that first fragment.
         recent = recent[1:] if start else recent
-        self.lines.extend(line for line in recent if not self.skip(line))
+        self.lines.extend(_masked(line, self.secret) for line in recent if not self.skip(line))
         self.offset = size
 
     def tail(self, lines: int) -> str:
@@ -112,6 +122,7 @@ class OutputFollower:
             line = raw.decode(errors="replace").rstrip("\r")
             if self.skip(line):
                 continue
+            line = _masked(line, self.secret)
             self.lines.append(line)
             engine_log.info(line, shard=self.shard_id)
         if self.offset > self.max_bytes:
@@ -122,12 +133,18 @@ class OutputFollower:
                 self.offset = 0
 
 
-def file_tail(path: Path, lines: int, skip: Skip = _never) -> str:
+def _masked(line: str, secret: str) -> str:
+    return line.replace(secret, "***") if secret else line
+
+
+def file_tail(path: Path, lines: int, skip: Skip = _never, secret: str = "") -> str:
     try:
         with path.open("rb") as f:
             f.seek(max(0, path.stat().st_size - 64 * 1024))
             kept = [
-                line for line in f.read().decode(errors="replace").splitlines() if not skip(line)
+                _masked(line, secret)
+                for line in f.read().decode(errors="replace").splitlines()
+                if not skip(line)
             ]
             return "\n".join(kept[-lines:])
     except OSError:

@@ -333,6 +333,7 @@ class Supervisor:
                         Path(record.output_path),
                         self.config.output_tail_lines,
                         _own_polls(record.launch),
+                        record.launch.api_key,
                     ),
                 )
                 continue
@@ -417,6 +418,7 @@ class Supervisor:
             lines=self.config.output_buffer_lines,
             max_bytes=self.config.output_file_max_bytes,
             skip=_own_polls(record.launch),
+            secret=record.launch.api_key,
         )
 
     def _refuse(
