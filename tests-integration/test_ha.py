@@ -446,6 +446,12 @@ def test_a_frozen_leader_is_left_for_the_new_one(cluster: Cluster, tmp_path: Pat
             # Resumed, a finds its lease gone and stands by; b keeps leading.
             wait_for(lambda: not a.leads(), timeout=60, what="a stands by once resumed")
             assert b.leads()
+            # Point 14: one line with the true reason, and its streams ended without a
+            # traceback.
+            lost = [line for line in a.proc.output().splitlines() if "lost the lead" in line]
+            assert len(lost) == 1, lost
+            assert "lease deadline passed" in lost[0], lost[0]
+            assert "Failed to handle cancellation" not in a.proc.output()
         assert both_ready(cluster) == before, "no engine restarted, no replica replaced"
         assert b.value("llmgw_control_commands_total") == 0, "b sent no command"
         assert watch.samples
