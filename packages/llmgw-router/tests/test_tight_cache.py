@@ -117,7 +117,9 @@ def test_what_no_longer_fits_is_no_longer_counted_as_held() -> None:
 # ----- predicted time to first token --------------------------------------------------------
 
 
-def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_the_prefill() -> None:
+def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_moving() -> None:
+    """Moving costs the prompt's prefill there, and as much again to what comes after it
+    there: the holder's queue must be longer than both."""
     size = 60
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](slack=100.0)
@@ -126,12 +128,12 @@ def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_the_prefill()
     first = balancer.choose(cands, usable, None, tenant(0, size, tail=1))
     home = first.endpoint
     assert home is not None
-    # Queued there: less than one prompt's prefill more than elsewhere: it stays.
-    home.pending = size - 1.0
+    # Queued there: less than two prefills of the prompt more than elsewhere: it stays.
+    home.pending = 2 * size - 1.0
     pick = balancer.choose(cands, usable, None, tenant(0, size, tail=2))
     assert (pick.endpoint, pick.reason) == (home, "holder")
-    # More than the whole prompt's prefill: the least queued other takes it.
-    home.pending = size + 5.0
+    # More than that: the least queued other takes it.
+    home.pending = 2 * size + 5.0
     pick = balancer.choose(cands, usable, None, tenant(0, size, tail=3))
     assert pick.endpoint is not home
     assert pick.reason == "predicted_ttft"
@@ -156,7 +158,10 @@ def test_predicted_ttft_never_picks_a_slower_endpoint_than_the_rules_choice(
     assert pick.endpoint is not None
     if pick.reason == "predicted_ttft":
         chosen = pick.endpoint
-        assert chosen.block_time * (chosen.pending + size) < rule.block_time * (rule.pending + size)
+        # A new prefix: by more than a prefill of the prompt at the rules' choice.
+        assert chosen.block_time * (chosen.pending + size) + rule.block_time * size < (
+            rule.block_time * (rule.pending + size)
+        )
     else:
         assert pick.endpoint is rule
 

@@ -671,23 +671,31 @@ class CacheAware(Balancer[L]):
                 # back to a prefix's first choice) or where nothing recurs.
                 return first, reason, miss[first]
             # Predicted time to first token: another endpoint within the bound takes it
-            # where it would answer sooner (by a whole prefill of the prompt for a new
-            # prefix: leaving the rule every router shares costs a copy elsewhere); among
-            # those with room for it where the first has room.
+            # where it would answer sooner by more than the move costs besides: for a new
+            # prefix a whole prefill of the prompt (leaving the rule every router shares
+            # costs a copy elsewhere), for a held one the extra prefill it puts in that
+            # endpoint's queue (what comes after it there waits for it too); among those
+            # with room for it where the first has room.
             if room is None:
                 room = self._room(ready)
             costs = self._costs(ready, miss, room)
             rate = ready[first].block_time
-            margin = (rate if rate > 0 else self.block_time) * miss[first] if new else 0.0
+            margin = (rate if rate > 0 else self.block_time) * miss[first]
             first_fits = (free := room[first]) is None or free >= miss[first]
-            best = first
+            best, best_cost = first, costs[first]
             for i in ranking:
                 if i == first or not self.within(loads[i], total, weights[i], weight_total, n):
                     continue
                 if first_fits and (free := room[i]) is not None and free < miss[i]:
                     continue
-                if costs[i] + margin < costs[first] and (best == first or costs[i] < costs[best]):
-                    best = i
+                if new:
+                    cost = costs[i] + margin
+                else:
+                    rate = ready[i].block_time
+                    extra = max(0, miss[i] - miss[first])
+                    cost = costs[i] + (rate if rate > 0 else self.block_time) * extra
+                if cost < best_cost:
+                    best, best_cost = i, cost
             if best != first:
                 return best, "predicted_ttft", miss[best]
             return first, reason, miss[first]
