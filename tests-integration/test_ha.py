@@ -369,22 +369,22 @@ def _router_control(cluster: Cluster) -> dict[str, Any]:
         return control
 
 
-def test_a_frozen_leader_is_left_for_the_new_one(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_frozen_leader_is_left_for_the_new_one(
+    cluster: Cluster, backend: tuple[str, Any]
+) -> None:
     """SIGSTOP the leader for longer than unreachable_after, under load, its connections
     left open: the agents and the router give its streams up (unanswered pings) and
     follow the standby's answer to the new leader, which sees both nodes READY while
     the old one is still frozen. No request fails, no engine restarts, no replica is
     replaced (the new leader sends no command)."""
-    # etcd only: a frozen PostgreSQL leader's session keeps its advisory lock (the
-    # server cannot tell a frozen client from an idle one), so no standby takes over.
-    etcd = Etcd(tmp_path / "etcd")
+    kind, server = backend
     frozen: Instance | None = None
     try:
         cluster.timings.update(
             unreachable_after=f"{UNREACHABLE_AFTER:g}s", lost_after="60s", startup_grace="1s"
         )
-        a = Instance(cluster, "a", state_for("etcd", etcd))
-        b = Instance(cluster, "b", state_for("etcd", etcd))
+        a = Instance(cluster, "a", state_for(kind, server))
+        b = Instance(cluster, "b", state_for(kind, server))
         cluster.control_addresses = [a.address, b.address]
         a.start()
         wait_for(a.leads, timeout=30, what="a leads")
@@ -461,4 +461,3 @@ def test_a_frozen_leader_is_left_for_the_new_one(cluster: Cluster, tmp_path: Pat
     finally:
         if frozen is not None and frozen.proc is not None and frozen.proc.alive():
             frozen.proc.signal(signal.SIGCONT)
-        etcd.stop()

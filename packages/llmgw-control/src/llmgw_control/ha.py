@@ -169,7 +169,7 @@ class PostgresBackend:
     still holds the lock and that no newer epoch was taken.
     """
 
-    def __init__(self, store: Any, instance: str, address: str) -> None:
+    def __init__(self, store: Any, instance: str, address: str, ttl: float = 0.0) -> None:
         from llmgw_control.store.postgres import PostgresStore
 
         assert isinstance(store, PostgresStore)
@@ -177,6 +177,8 @@ class PostgresBackend:
         store.ha = True
         self.instance = instance
         self.address = address
+        # The lease: the server ends this session when idle for that long (see _conn).
+        self.ttl = ttl
         self.conn: Any = None
 
     async def open(self) -> None:
@@ -187,7 +189,23 @@ class PostgresBackend:
 
     async def _conn(self) -> Any:
         if self.conn is None or self.conn.is_closed():
-            self.conn = await self.store.connect()
+            conn = await self.store.connect()
+            if self.ttl > 0:
+                # A frozen (SIGSTOP) or hung leader keeps its session open, and with it the
+                # lock: no standby could take over until it resumed. The server ends a
+                # session idle for a lease (PostgreSQL 14+), which frees the lock; a live
+                # instance uses its session every third of one.
+                try:
+                    await conn.execute(
+                        f"SET idle_session_timeout = {max(1, round(self.ttl * 1000))}"
+                    )
+                except asyncpg.PostgresError as err:
+                    log.warning(
+                        "idle_session_timeout not set: a frozen leader keeps the lead "
+                        "until it resumes",
+                        error=str(err),
+                    )
+            self.conn = conn
         return self.conn
 
     async def acquire(self) -> int | None:

@@ -69,7 +69,7 @@ class Stateful:
             if ha.backend == "etcd":
                 backend = EtcdBackend(self.store, instance, address, float(ha.lease_ttl))
             else:
-                backend = PostgresBackend(self.store, instance, address)
+                backend = PostgresBackend(self.store, instance, address, float(ha.lease_ttl))
             self.leadership = Leadership(backend, ha, instance, address, self._elected, self._lost)
             lead = self.leadership
             Gauge(
