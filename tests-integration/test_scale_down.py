@@ -7,8 +7,8 @@ import signal
 import threading
 import urllib.request
 
-import openai
 from llmgw_testkit import wait_for
+from llmgw_testkit.checks import stream_chat_with_usage
 from llmgw_testkit.cluster import Cluster, metric_sum, vllm_profile
 
 
@@ -27,31 +27,21 @@ def test_scale_down_drains_and_in_flight_streams_complete(cluster: Cluster) -> N
     endpoints = {r["replica_id"]: r["endpoint"] for r in replicas}
     cluster.wait_router_models("chat")
 
-    client = openai.OpenAI(
-        base_url=f"{cluster.router_url}/v1", api_key="x", max_retries=0, timeout=60
-    )
     outcomes: list[tuple[str, int]] = []
 
     def stream() -> None:
         try:
-            chunks = list(
-                client.chat.completions.create(
-                    model="chat",
-                    messages=[{"role": "user", "content": "a long story"}],
-                    max_tokens=120,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
+            # expect_tokens=0: the count is checked below, with every stream's outcome.
+            got = stream_chat_with_usage(
+                cluster.router_url,
+                "chat",
+                max_tokens=120,
+                content="a long story",
+                timeout=60,
+                expect_tokens=0,
             )
-            usage = chunks[-1].usage
-            finish = [
-                c.choices[0].finish_reason
-                for c in chunks
-                if c.choices and c.choices[0].finish_reason
-            ]
-            outcomes.append(
-                (finish[-1] if finish else "none", usage.completion_tokens if usage else 0)
-            )
+            finish = got.finishes
+            outcomes.append((finish[-1] if finish else "none", got.usage.completion_tokens))
         except Exception as err:
             outcomes.append((f"error: {err!r}", 0))
 

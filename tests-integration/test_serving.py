@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
+from llmgw_testkit.checks import stream_chat_with_usage
 from llmgw_testkit.cluster import Cluster, vllm_profile
 
 
@@ -42,22 +43,15 @@ def test_register_place_launch_and_stream_through_the_router(cluster: Cluster) -
         assert b"CUDA_VISIBLE_DEVICES=" + visible in environ
 
     cluster.wait_router_models("chat")
-    client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0)
-    stream = client.chat.completions.create(
-        model="chat",
-        messages=[{"role": "user", "content": "Say something."}],
-        max_tokens=12,
-        stream=True,
-        stream_options={"include_usage": True},
+    got = stream_chat_with_usage(
+        cluster.router_url, "chat", max_tokens=12, content="Say something.", api_key="unused"
     )
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text
-    usage = chunks[-1].usage
-    assert usage is not None
+    assert got.text
+    usage = got.usage
     assert usage.completion_tokens == 12
     assert usage.prompt_tokens > 0
 
+    client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=5
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from llmgw_testkit.checks import stream_chat_with_usage
 from llmgw_testkit.cluster import Cluster
 
 SERVED_NAME = "gemma3"
@@ -66,25 +67,23 @@ def test_chat_completion_through_the_router(serving: Cluster) -> None:
 
 
 def test_streaming_chat_completion_through_the_router(serving: Cluster) -> None:
-    stream = _client(serving).chat.completions.create(
-        model=SERVED_NAME,
-        messages=[{"role": "user", "content": "Once upon a time"}],
+    got = stream_chat_with_usage(
+        serving.router_url,
+        SERVED_NAME,
         max_tokens=16,
+        content="Once upon a time",
+        api_key="unused",
+        timeout=120,
         temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    chunks = list(stream)
-    assert all(c.object == "chat.completion.chunk" for c in chunks)
-    deltas = [c.choices[0].delta.content for c in chunks if c.choices]
-    pieces = [d for d in deltas if d]
+    # All chunks are chat.completion.chunk, the last carries the usage, 16 tokens: checked there.
+    pieces = got.pieces
     # Tokens arrive one chunk at a time, not as one block at the end.
     assert len(pieces) >= 2
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in got.chunks if c.choices]
     assert finishes[-1] == "length"
-    usage = chunks[-1].usage
-    assert usage is not None
+    usage = got.usage
     assert usage.prompt_tokens > 0
     assert usage.completion_tokens == 16
     assert len(pieces) <= usage.completion_tokens

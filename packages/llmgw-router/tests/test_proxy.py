@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from llmgw_testkit import free_port, port_open, wait_for
+from llmgw_testkit.checks import metric, stream_chat_with_usage
 
 # Fixtures from conftest.py; their classes cannot be imported under --import-mode=importlib.
 Router = Any
@@ -30,14 +31,6 @@ def _async_true(condition: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
         return condition()
 
     return check
-
-
-def metric(text: str, series: str) -> float:
-    """The value of one series (name and labels exactly as exposed); 0 when absent."""
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def sse_events(text: str) -> list[str]:
@@ -73,18 +66,12 @@ def test_streaming_with_usage_through_openai_client(
     for up in upstreams:
         up.script(delay=0.005)  # paced, so there are gaps between chunks to measure
     before = metric(router.metrics(), TOKENS_M1)
-    stream = client(router).chat.completions.create(
-        model="m1",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=20,
-        stream=True,
-        stream_options={"include_usage": True},
+    got = stream_chat_with_usage(
+        router.url, "m1", max_tokens=20, content="hi", api_key="unused", timeout=30
     )
-    chunks = list(stream)
-    content = [c.choices[0].delta.content for c in chunks if c.choices]
-    assert content == [f"t{i} " for i in range(20)]
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 20
+    assert got.deltas == [f"t{i} " for i in range(20)]
+    assert got.chunks[-1].usage is not None
+    assert got.chunks[-1].usage.completion_tokens == 20
     # Counted when the request ends, just after its last byte reached the client.
     metrics = wait_for(
         lambda: m if metric(m := router.metrics(), TOKENS_M1) == before + 20 else None,

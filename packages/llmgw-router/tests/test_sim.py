@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from llmgw_testkit import wait_for
+from llmgw_testkit.checks import stream_chat_with_usage
 from openai.types.chat import ChatCompletionMessageParam
 
 Spawn = Callable[..., Any]
@@ -35,18 +36,11 @@ def test_openai_streaming_with_usage_through_the_router(
 ) -> None:
     engines = spawn_engines(2)
     router = static_router(spawn_router, engines)
+    got = stream_chat_with_usage(router.url, "m1", max_tokens=12, content="hello there")
+    assert len(got.pieces) == 12
+    assert got.chunks[-1].usage is not None
+    assert got.chunks[-1].usage.completion_tokens == 12
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
-    stream = client.chat.completions.create(
-        model="m1",
-        messages=[{"role": "user", "content": "hello there"}],
-        max_tokens=12,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 12
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 12
     reply = client.chat.completions.create(
         model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=5
     )
@@ -142,17 +136,9 @@ def test_hypercorn_server_streams_and_cancels(spawn_engines: Spawn, spawn_router
     """`server: hypercorn` (the benchmark's comparison) serves the same app correctly."""
     (engine,) = spawn_engines(1, "--sim-itl", "0.05")
     router = static_router(spawn_router, [engine], server="hypercorn")
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
-    stream = client.chat.completions.create(
-        model="m1",
-        messages=MESSAGES,
-        max_tokens=5,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 5
+    got = stream_chat_with_usage(router.url, "m1", max_tokens=5, content="hi")
+    assert got.chunks[-1].usage is not None
+    assert got.chunks[-1].usage.completion_tokens == 5
     assert (
         "server=hypercorn" in router.proc.output()
         or '"server": "hypercorn"' in router.proc.output()

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from llmgw_router.config import RouterConfig
 from llmgw_router.workers import MetricsMerger, worker_count
 from llmgw_testkit import free_port, port_open, wait_for
+from llmgw_testkit.checks import metric
 
 Router = Any
 Upstream = Any
@@ -30,13 +31,6 @@ Spawn = Callable[..., Any]
 
 ROUTER = str(Path(sys.executable).parent / "llmgw-router")
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
-
-
-def metric(text: str, series: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def per_worker(router: Router, name: str, workers: int) -> list[float]:
