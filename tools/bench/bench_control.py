@@ -51,7 +51,8 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_control.catalog import ModelConfig, build_catalog
 from llmgw_control.inventory import Node, NodeState
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer, commit, place
-from llmgw_control.reconciler import ControlState, Settings, reconcile
+from llmgw_control.reconciler import Settings, reconcile
+from llmgw_control.records import ControlState
 from llmgw_proto import v1
 from llmgw_proto.backoff import Backoff
 

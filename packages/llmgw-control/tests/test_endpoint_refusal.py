@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_control.catalog import ModelConfig, build_catalog
 from llmgw_control.inventory import GpuSlot, Node, ShardReport
-from llmgw_control.reconciler import ControlState, Decision, Settings, Start, Stop, reconcile
+from llmgw_control.reconciler import Decision, Settings, reconcile
+from llmgw_control.records import ControlState, Start, Stop
 from llmgw_proto import v1
 from llmgw_proto.addr import parse_endpoint_url
 from llmgw_testkit import wait_for_async

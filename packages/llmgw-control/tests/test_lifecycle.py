@@ -18,7 +18,8 @@ from llmgw_control.lifecycle import (
     autoscale,
     rollout_step,
 )
-from llmgw_control.reconciler import ControlState, Drain, Settings, Start, reconcile
+from llmgw_control.reconciler import Settings, reconcile
+from llmgw_control.records import ControlState, Drain, Start
 from llmgw_proto import v1
 
 S = v1.ShardState

@@ -11,14 +11,12 @@ from hypothesis import strategies as st
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 from llmgw_control.inventory import Node, NodeState, ShardReport, node_state
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, place
-from llmgw_control.reconciler import (
+from llmgw_control.reconciler import Decision, Settings, reconcile
+from llmgw_control.records import (
     ControlState,
-    Decision,
     Drain,
-    Settings,
     Start,
     Stop,
-    reconcile,
     remember_taken,
     taken_on,
 )

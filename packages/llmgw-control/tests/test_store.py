@@ -25,7 +25,7 @@ from llmgw_control.config import EtcdSettings, HaSettings, PostgresSettings
 from llmgw_control.ha import EtcdBackend, Leadership, PostgresBackend
 from llmgw_control.inventory import Node, NodeState, ShardReport
 from llmgw_control.placement import GpuSlot
-from llmgw_control.reconciler import Replica, ShardPlan
+from llmgw_control.records import Replica, ShardPlan
 from llmgw_control.store.base import SCHEMA_VERSION, Change, NotLeader, StoreError
 from llmgw_control.store.etcd import EtcdStore
 from llmgw_control.store.persist import (
@@ -745,7 +745,8 @@ def test_a_replica_whose_node_has_no_record_waits_for_it_like_any_unreachable_no
     node starts UNREACHABLE, and the replica is neither replaced nor given up."""
     import msgspec
     from llmgw_control.catalog import ModelConfig, build_catalog
-    from llmgw_control.reconciler import ControlState, Settings, reconcile
+    from llmgw_control.reconciler import Settings, reconcile
+    from llmgw_control.records import ControlState
     from llmgw_control.store.keeper import known_nodes
     from llmgw_control.store.persist import Restored
 
@@ -775,7 +776,8 @@ def test_a_stored_but_unplaced_replica_takes_the_shard_an_agent_reports() -> Non
     reports for it is adopted into it, not stopped as an orphan."""
     import msgspec
     from llmgw_control.catalog import ModelConfig, build_catalog
-    from llmgw_control.reconciler import ControlState, Settings, Stop, reconcile
+    from llmgw_control.reconciler import Settings, reconcile
+    from llmgw_control.records import ControlState, Stop
     from llmgw_control.store.keeper import adoptable
     from llmgw_control.store.persist import Restored
 

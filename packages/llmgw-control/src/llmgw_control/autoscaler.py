@@ -15,7 +15,7 @@ from typing import Any
 from llmgw_control.catalog import Catalog
 from llmgw_control.lifecycle import LoadSample, ScaleSpec, ScaleState, autoscale
 from llmgw_control.loads import Figures
-from llmgw_control.reconciler import Replica
+from llmgw_control.records import Replica
 
 __all__ = ["Autoscaler"]
 

@@ -35,16 +35,8 @@ from llmgw_control.publish import (
     address_problem,
     engine_generation,
 )
-from llmgw_control.reconciler import (
-    Command,
-    ControlState,
-    Drain,
-    Settings,
-    Stop,
-    reconcile,
-    replica_state,
-    unsend,
-)
+from llmgw_control.reconciler import Settings, reconcile
+from llmgw_control.records import Command, ControlState, Drain, Stop, replica_state, unsend
 from llmgw_control.store.keeper import StateKeeper
 
 __all__ = ["Controller", "keep_heap", "settings_of", "watch_loop_lag"]

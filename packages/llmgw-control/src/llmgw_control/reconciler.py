@@ -11,9 +11,8 @@ that runs it lives in :mod:`llmgw_control.controller`.
 
 from __future__ import annotations
 
-import secrets
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,24 +29,21 @@ from llmgw_control.placement import (
     Placer,
     share_ports,
 )
+from llmgw_control.records import (
+    ENDED,
+    Command,
+    ControlState,
+    Drain,
+    Replica,
+    ShardPlan,
+    Start,
+    Stop,
+    new_replica_id,
+    remember_taken,
+    taken_on,
+)
 
-__all__ = [
-    "Command",
-    "ControlState",
-    "Decision",
-    "Drain",
-    "Replica",
-    "Settings",
-    "ShardPlan",
-    "Start",
-    "Stop",
-    "new_replica_id",
-    "reconcile",
-    "remember_taken",
-    "replica_state",
-    "taken_on",
-    "unsend",
-]
+__all__ = ["Decision", "Settings", "reconcile"]
 
 
 @dataclass(frozen=True)
@@ -67,108 +63,6 @@ class Settings:
 
 
 @dataclass
-class ShardPlan:
-    """One shard of a replica, where control placed (or found) it."""
-
-    shard_id: str
-    node_id: str
-    rank: int
-    gpu_indices: tuple[int, ...]
-    port: int
-    address: str
-    # The node session in which StartShard went out; "" = not sent (yet, or again).
-    start_session: str = ""
-    drain_session: str = ""
-    stop_session: str = ""
-
-
-@dataclass
-class Replica:
-    replica_id: str
-    model: str
-    profile: str
-    size: int = 1
-    shards: list[ShardPlan] = field(default_factory=list)
-    rendezvous_port: int = 0
-    leader_address: str = ""
-    # Placement attempts so far; part of shard ids so a retry never reuses one.
-    attempt: int = 0
-    failures: int = 0
-    retry_at: float = 0.0
-    last_error: str = ""
-    last_output_tail: str = ""
-    # Why it is where it is, or why it is nowhere.
-    explanation: str = ""
-    adopted: bool = False
-    created_at: float = 0.0
-    ready_since: float | None = None
-    draining: bool = False
-    drain_deadline: float = 0.0
-    # The profile revision it was started with; "" = unknown (adopted): taken as current.
-    revision: str = ""
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.model, self.profile)
-
-    @property
-    def placed(self) -> bool:
-        return bool(self.shards)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.shards) == self.size
-
-    def shard_id(self, rank: int) -> str:
-        base = f"{self.replica_id}-{rank}"
-        return base if self.attempt == 0 else f"{base}.{self.attempt}"
-
-
-@dataclass
-class ControlState:
-    replicas: dict[str, Replica] = field(default_factory=dict)
-    # Stops sent for shards nobody wants: (node, shard) -> node session.
-    orphan_stops: dict[tuple[str, str], str] = field(default_factory=dict)
-    # Replicas given up because their node was LOST: never adopt them back.
-    replaced: dict[str, float] = field(default_factory=dict)
-    # (node, port) -> until when: ports a node refused as held by another program.
-    taken_ports: dict[tuple[str, int], float] = field(default_factory=dict)
-    started_at: float = 0.0
-    passes: int = 0
-
-
-@dataclass(frozen=True)
-class Start:
-    node_id: str
-    shard_id: str
-    replica_id: str
-    profile: ProfileSpec
-    rank: int
-    size: int
-    gpu_indices: tuple[int, ...]
-    port: int
-    leader_address: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    node_id: str
-    shard_id: str
-    grace: float
-
-
-@dataclass(frozen=True)
-class Drain:
-    node_id: str
-    shard_id: str
-    # Seconds from now until the agent stops it regardless.
-    within: float
-
-
-Command = Start | Stop | Drain
-
-
-@dataclass
 class Decision:
     state: ControlState
     commands: list[Command]
@@ -177,10 +71,6 @@ class Decision:
     next_at: float = float("inf")
     # (model, profile) -> the rollout in progress: state, reason, progress counts.
     rollouts: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-
-
-def new_replica_id(model: str, profile: str) -> str:
-    return f"{model}.{profile}.{secrets.token_hex(4)}"
 
 
 def reconcile(
@@ -224,44 +114,6 @@ def _shallow(obj: T) -> T:
     twin: T = object.__new__(type(obj))
     twin.__dict__.update(obj.__dict__)
     return twin
-
-
-def unsend(state: ControlState, command: Command) -> None:
-    """Forget that ``command`` went out (it was never answered), so the next pass resends."""
-    if isinstance(command, Stop):
-        state.orphan_stops.pop((command.node_id, command.shard_id), None)
-    for r in state.replicas.values():
-        for plan in r.shards:
-            if plan.shard_id == command.shard_id and plan.node_id == command.node_id:
-                if isinstance(command, Start):
-                    plan.start_session = ""
-                elif isinstance(command, Drain):
-                    plan.drain_session = ""
-                else:
-                    plan.stop_session = ""
-
-
-def replica_state(r: Replica, nodes: Mapping[str, Node], now: float) -> str:
-    """One word for status: draining, backoff, unplaced, adopting, unreachable, ready, ..."""
-    if r.draining:
-        return "draining"
-    if not r.placed:
-        if r.retry_at > now:
-            return "backoff"
-        return "unplaced" if r.explanation else "pending"
-    if not r.complete:
-        return "adopting"
-    shard_nodes = [nodes.get(p.node_id) for p in r.shards]
-    if any(n is None or n.state != NodeState.READY for n in shard_nodes):
-        return "unreachable"
-    reports = [
-        n.shards.get(p.shard_id) if n else None for n, p in zip(shard_nodes, r.shards, strict=True)
-    ]
-    if all(x is not None and x.state == v1.ShardState.READY for x in reports):
-        return "ready"
-    if any(x is not None and x.state in _ENDED for x in reports):
-        return "failed"
-    return "starting"
 
 
 class _Pass:
@@ -380,7 +232,7 @@ class _Pass:
             return
         failed = next(
             # A READY shard at a URL no router can dial fails too (issue 24.7).
-            (x for x in reports if x is not None and (x.state in _ENDED or x.refused)),
+            (x for x in reports if x is not None and (x.state in ENDED or x.refused)),
             None,
         )
         if failed is None and not r.complete and self.now - r.created_at > self.s.adopt_grace:
@@ -389,7 +241,7 @@ class _Pass:
             )
         if failed is not None:
             for plan, report in zip(r.shards, reports, strict=True):
-                if report is not None and report.state in _ENDED:
+                if report is not None and report.state in ENDED:
                     remember_taken(
                         self.state.taken_ports,
                         plan.node_id,
@@ -441,7 +293,7 @@ class _Pass:
         done = True
         for plan, report in zip(r.shards, reports, strict=True):
             node = self.nodes[plan.node_id]
-            if report is not None and report.state in _ENDED:
+            if report is not None and report.state in ENDED:
                 continue
             if report is None and node.state == NodeState.READY:
                 continue  # the agent does not run it (any more)
@@ -678,28 +530,6 @@ class _Pass:
             port=plan.port,
             leader_address=r.leader_address,
         )
-
-
-# A shard that ended without being drained or stopped on purpose is a failure.
-_ENDED = frozenset({v1.ShardState.FAILED, v1.ShardState.STOPPED})
-
-
-def remember_taken(
-    taken: dict[tuple[str, int], float], node_id: str, ports: Iterable[int], until: float
-) -> None:
-    """Keep ``ports`` off ``node_id`` until ``until`` (a later refusal extends it)."""
-    for port in ports:
-        if port:
-            taken[(node_id, port)] = max(until, taken.get((node_id, port), until))
-
-
-def taken_on(taken: Mapping[tuple[str, int], float], now: float) -> dict[str, set[int]]:
-    """Node -> the ports it refused as taken that are still remembered at ``now``."""
-    out: dict[str, set[int]] = {}
-    for (node_id, port), until in taken.items():
-        if until > now:
-            out.setdefault(node_id, set()).add(port)
-    return out
 
 
 def _matches(report: ShardReport, profile: ProfileSpec) -> bool:

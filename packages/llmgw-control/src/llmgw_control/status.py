@@ -18,7 +18,7 @@ from llmgw_proto import v1
 from llmgw_control.catalog import Catalog
 from llmgw_control.inventory import Node
 from llmgw_control.publish import EndpointInfo
-from llmgw_control.reconciler import ControlState, Replica, replica_state
+from llmgw_control.records import ControlState, Replica, replica_state
 
 __all__ = ["Fleet", "explain", "status", "summary", "unplaced_reason"]
 

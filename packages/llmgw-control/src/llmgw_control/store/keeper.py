@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from llmgw_control.inventory import Inventory, Node, NodeState
-from llmgw_control.reconciler import ControlState
+from llmgw_control.records import ControlState
 from llmgw_control.store.base import Change, Records, Store
 from llmgw_control.store.persist import (
     META,

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from llmgw_control.inventory import Node, NodeState, ShardReport
 from llmgw_control.placement import GpuSlot
-from llmgw_control.reconciler import ControlState, Replica, ShardPlan
+from llmgw_control.records import ControlState, Replica, ShardPlan
 from llmgw_control.store.base import Change, NotLeader, Records, Store, StoreError
 
 __all__ = [
