@@ -877,60 +877,65 @@ class ProxyApp:
         collected = bytearray(first) if not streamed else None
         clean = ended = False
         failure = ""
-        if first and response.at_eof:
-            # All of it came in one read (small JSON answers, fast short streams): one write.
-            clean = ended = True
-            await send.body(first)
-        elif first:
-            gap = metrics.child(metrics.gap, model) if streamed else None
-            await send.body(first, True)
-            # The chunk loop runs on the event loop's clock (what the client's timers use),
-            # with the request's deadline carried over from the router's clock once.
-            last_at = loop.time()
-            total_at = last_at + (ctx.deadline - now())
-            idle = deadlines.idle
-            try:
-                while True:
-                    chunk = await response.read_chunk(min(last_at + idle, total_at))
-                    if not chunk:
-                        clean = True
-                        break
-                    at = loop.time()
-                    if gap is not None:
-                        gap.observe(at - last_at)
-                    last_at = at
-                    previous, last = last, chunk
-                    if collected is not None and len(collected) < 1 << 20:
-                        collected += chunk
-                    await send.body(chunk, True)
-            except TimeoutError:
-                failure = (
-                    f"no data from {ep.id} for {idle:g}s"
-                    if loop.time() < total_at
-                    else f"request exceeded its total deadline of {deadlines.total:g}s"
-                )
-                self.state.record_failure(ep, "timeout_idle")
-            except UpstreamError as err:
-                failure = f"{ep.id} broke off the response: {err}"
-                self.state.record_failure(ep, "reset")
-        else:
-            clean = True
-        if failure:
-            log.warning(
-                "stream failed after first byte", endpoint=ep.id, model=model, error=failure
-            )
-            if streamed:
-                await send.body(sse_error_event(failure, "upstream_error"))
+        # The usage is counted even when the client leaves first: a client that closes on
+        # `data: [DONE]` can be gone before the upstream's end is read, and the engine did
+        # the work either way.
+        try:
+            if first and response.at_eof:
+                # All of it came in one read (small JSON answers, fast short streams): one write.
+                clean = ended = True
+                await send.body(first)
+            elif first:
+                gap = metrics.child(metrics.gap, model) if streamed else None
+                await send.body(first, True)
+                # The chunk loop runs on the event loop's clock (what the client's timers use),
+                # with the request's deadline carried over from the router's clock once.
+                last_at = loop.time()
+                total_at = last_at + (ctx.deadline - now())
+                idle = deadlines.idle
+                try:
+                    while True:
+                        chunk = await response.read_chunk(min(last_at + idle, total_at))
+                        if not chunk:
+                            clean = True
+                            break
+                        at = loop.time()
+                        if gap is not None:
+                            gap.observe(at - last_at)
+                        last_at = at
+                        previous, last = last, chunk
+                        if collected is not None and len(collected) < 1 << 20:
+                            collected += chunk
+                        await send.body(chunk, True)
+                except TimeoutError:
+                    failure = (
+                        f"no data from {ep.id} for {idle:g}s"
+                        if loop.time() < total_at
+                        else f"request exceeded its total deadline of {deadlines.total:g}s"
+                    )
+                    self.state.record_failure(ep, "timeout_idle")
+                except UpstreamError as err:
+                    failure = f"{ep.id} broke off the response: {err}"
+                    self.state.record_failure(ep, "reset")
             else:
-                # Nothing honest can be appended to a half-sent JSON body: end it short.
+                clean = True
+            if failure:
+                log.warning(
+                    "stream failed after first byte", endpoint=ep.id, model=model, error=failure
+                )
+                if streamed:
+                    await send.body(sse_error_event(failure, "upstream_error"))
+                else:
+                    # Nothing honest can be appended to a half-sent JSON body: end it short.
+                    await send.body(b"")
+            elif not ended:
                 await send.body(b"")
-        elif not ended:
-            await send.body(b"")
-        usage = _usage_from(
-            bytes(collected) if collected is not None else previous + last, streamed
-        )
-        if usage is not None:
-            metrics.child(metrics.tokens, model, "prompt").inc(usage.prompt_tokens)
-            metrics.child(metrics.tokens, model, "completion").inc(usage.completion_tokens)
+        finally:
+            usage = _usage_from(
+                bytes(collected) if collected is not None else previous + last, streamed
+            )
+            if usage is not None:
+                metrics.child(metrics.tokens, model, "prompt").inc(usage.prompt_tokens)
+                metrics.child(metrics.tokens, model, "completion").inc(usage.completion_tokens)
         ctx.status, ctx.endpoint = status, ep.id
         return clean
