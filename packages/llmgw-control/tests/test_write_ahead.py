@@ -200,7 +200,7 @@ def controller() -> tuple[Controller, GatedStore]:
     config = convert(raw, ControlConfig, source="control.yaml")
     c = Controller(Loaded(config, check(config, "control.yaml")))
     store = GatedStore()
-    c.keeper = StateKeeper(c, store)
+    c.keeper = StateKeeper(store, c.metrics.registry)
     c.inventory.nodes["gpu-a"] = gpu_node()
     return c, store
 
@@ -261,7 +261,7 @@ async def test_a_store_that_is_down_does_not_stop_the_commands() -> None:
 
 async def test_without_a_store_commands_go_out_in_the_pass() -> None:
     c, _ = controller()
-    c.keeper = StateKeeper(c)
+    c.keeper = StateKeeper()
     sent = record_sends(c)
     c.reconcile_now(force=True)
     assert len(sent) == 1
@@ -276,7 +276,7 @@ async def test_a_new_run_does_not_send_what_a_lost_lead_held() -> None:
     assert len(c._outbox) == 1
     # The lead is lost with the Start held (the run cancelled, the state forgotten), and
     # won again: the new run places anew and sends its own Start, not the old one too.
-    c.keeper.reset()
+    c.forget()
     c.keeper.persister = Persister(store)
     c.inventory.nodes["gpu-a"] = gpu_node()
     c._changed()  # as its Register would

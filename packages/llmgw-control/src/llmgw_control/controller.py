@@ -38,6 +38,7 @@ from llmgw_control.publish import (
 from llmgw_control.reconciler import Settings, reconcile
 from llmgw_control.records import Command, ControlState, Drain, Stop, replica_state, unsend
 from llmgw_control.store.keeper import StateKeeper
+from llmgw_control.store.persist import Restored
 
 __all__ = ["Controller", "keep_heap", "settings_of", "watch_loop_lag"]
 
@@ -140,7 +141,57 @@ class Controller:
         self.metrics.count_lifecycle(lambda: self.autoscaler.reasons, lambda: self.rollouts)
         # The state store (none until serve sets one): restores and writes what must
         # not be forgotten; see llmgw_control.store.keeper.
-        self.keeper = StateKeeper(self)
+        self.keeper = StateKeeper()
+
+    # --- the lead and the state store -----------------------------------------------
+
+    def lead(self) -> None:
+        """Dispatch and write the state from now on (alone, or elected)."""
+        self.keeper.writing(True)
+        self.agents.dispatching = True
+
+    def follow(self) -> None:
+        """Stand by: nothing more is dispatched or written, and what was held is forgotten."""
+        self.agents.dispatching = False
+        self.forget()
+        self.publisher.primed.clear()
+
+    def forget(self) -> None:
+        """Hold nothing (the state is read again on being elected); writes stay off."""
+        self.inventory = Inventory()
+        self.state = ControlState(started_at=time.monotonic())
+        self.keeper.reset()
+        self.keeper.writing(False)
+
+    def restore(self, restored: Restored) -> None:
+        """Take back what the store held: its nodes (UNREACHABLE), replicas, endpoints."""
+        self.inventory.nodes.update(restored.nodes)
+        self.state.replicas.update(restored.replicas)
+        self.state.replaced.update(restored.replaced)
+        publisher = self.publisher
+        if restored.publish_version:
+            publisher.version = max(publisher.version, restored.publish_version + 1)
+        if not restored.empty:
+            # What ran before is known: publish it from the first snapshot on, rather than
+            # wait out the startup grace with nothing for the routers.
+            publisher.update(self.endpoints())
+            publisher.primed.set()
+        self.keeper.restored(restored, publisher.version)
+        store = self.keeper.store
+        log.info(
+            "state restored",
+            store=store.description if store is not None else None,
+            nodes=len(restored.nodes),
+            replicas=len(restored.replicas),
+            endpoints=len(publisher.endpoints),
+            publish_version=publisher.version,
+        )
+
+    def stage_state(self) -> None:
+        """Hand the keeper what it writes: nodes, replicas, the published endpoints."""
+        self.keeper.after_pass(
+            self.inventory.nodes, self.state, self.publisher.version, self.publisher.endpoints
+        )
 
     # --- agent events ---------------------------------------------------------------
 
@@ -347,7 +398,7 @@ class Controller:
         self.inventory.prune(
             {p.shard_id for r in self.state.replicas.values() for p in r.shards}, now
         )
-        self.keeper.after_pass()
+        self.stage_state()
         self.metrics.reconciles.inc()
         self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 

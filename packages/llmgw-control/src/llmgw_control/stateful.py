@@ -45,7 +45,7 @@ class Stateful:
         self.controller = controller
         self.config = config
         self.store: Store = make_store(config.state, config_path)
-        self.keeper = StateKeeper(controller, self.store)
+        self.keeper = StateKeeper(self.store, controller.metrics.registry)
         controller.keeper = self.keeper
         self.leadership: Leadership | None = None
         self.gate: LeaderGate | None = None
@@ -112,7 +112,7 @@ class Stateful:
             await self.store.write([Change(META, "epoch", str(epoch).encode())])
             self.keeper.other.setdefault(META, {})["epoch"] = str(epoch).encode()
             self._epoch(epoch)
-            self.keeper.restore(restored)
+            self.controller.restore(restored)
         else:
             log.info(
                 "state readable; campaigning for the lead",
@@ -121,9 +121,7 @@ class Stateful:
                 replicas=len(restored.replicas),
             )
             # A standby holds nothing: the state is read again when it is elected.
-            self.keeper.reset()
-            if self.keeper.persister is not None:
-                self.keeper.persister.enabled = False
+            self.controller.follow()
 
     def _epoch(self, epoch: int) -> None:
         self.controller.agents.epoch = epoch
@@ -138,19 +136,16 @@ class Stateful:
 
     def _start_leading(self) -> None:
         assert self.keeper.persister is not None
-        self.keeper.persister.enabled = True
-        self.controller.agents.dispatching = True
+        self.controller.lead()
         self._persist = asyncio.create_task(self.keeper.persister.run())
         self._reconciler = asyncio.create_task(self.controller.run())
 
     async def _elected(self, epoch: int) -> None:
         c = self.controller
-        self.keeper.reset()
+        c.follow()
         self.keeper.persister.on_not_leader = self._fenced  # type: ignore[union-attr]
-        c.publisher.primed.clear()
-        c.state.started_at = time.monotonic()
         restored = await self.keeper.load()
-        self.keeper.restore(restored)
+        c.restore(restored)
         self._epoch(epoch)
         self.leader_gauge.set(1)
         self._start_leading()
@@ -161,12 +156,10 @@ class Stateful:
         self.leadership.step_down("a write was fenced")
 
     def _lost(self, why: str) -> None:
-        # At once, before anything else can run: nothing more is dispatched or written.
-        c = self.controller
-        c.agents.dispatching = False
+        # At once, before anything else can run: nothing more is dispatched or written,
+        # and what was held is forgotten.
+        self.controller.follow()
         self._serving = False
-        if self.keeper.persister is not None:
-            self.keeper.persister.enabled = False
         self.leader_gauge.set(0)
         for task in (self._reconciler, self._persist):
             if task is not None:
@@ -174,10 +167,6 @@ class Stateful:
         self._reconciler = self._persist = None
         if self.gate is not None:
             self.gate.end_all(why)
-        self.keeper.reset()
-        if self.keeper.persister is not None:
-            self.keeper.persister.enabled = False
-        c.publisher.primed.clear()
 
     async def stop(self) -> None:
         if self._reconciler is not None:
@@ -190,7 +179,7 @@ class Stateful:
                 self._persist.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._persist
-            self.keeper.after_pass()
+            self.controller.stage_state()
             await self.keeper.persister.flush()
         if self.leadership is not None:
             await self.leadership.resign()

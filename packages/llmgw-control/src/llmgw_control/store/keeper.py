@@ -1,19 +1,23 @@
 """The controller's state in the store: restore at start (or takeover), keep it written.
 
 The controller calls :meth:`StateKeeper.node_changed` on every Register, shard status
-and disconnect (never on a heartbeat) and :meth:`StateKeeper.after_pass` after each
-reconcile pass; the keeper turns what changed into records for the
-:class:`~llmgw_control.store.persist.Persister`. Without a store it does nothing.
+and disconnect (never on a heartbeat) and :meth:`StateKeeper.after_pass`, with what it
+holds, after each reconcile pass; the keeper turns what changed into records for the
+:class:`~llmgw_control.store.persist.Persister`. It holds no reference to the
+controller: what it writes is passed in, what it reads back is handed out
+(:meth:`load`), and the controller applies it. Without a store it does nothing.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import structlog
+from prometheus_client import CollectorRegistry
 
-from llmgw_control.inventory import Inventory, Node, NodeState
+from llmgw_control.inventory import Node, NodeState
 from llmgw_control.records import ControlState
 from llmgw_control.store.base import Change, Records, Store
 from llmgw_control.store.persist import (
@@ -32,17 +36,15 @@ from llmgw_control.store.persist import (
     encode_replica,
 )
 
-if TYPE_CHECKING:
-    from llmgw_control.controller import Controller
-
-__all__ = ["StateKeeper"]
+__all__ = ["StateKeeper", "adoptable", "known_nodes"]
 
 log = structlog.get_logger(__name__)
 
 
 class StateKeeper:
-    def __init__(self, controller: Controller, store: Store | None = None) -> None:
-        self.controller = controller
+    def __init__(
+        self, store: Store | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
         self.store = store
         self.persister: Persister | None = None
         self._dirty_nodes: set[str] = set()
@@ -54,7 +56,9 @@ class StateKeeper:
         # Records of kinds the controller does not own (override, rollout, ...).
         self.other: Records = {}
         if store is not None:
-            self.persister = Persister(store, StoreMetrics(controller.metrics.registry))
+            self.persister = Persister(
+                store, StoreMetrics(registry) if registry is not None else None
+            )
 
     @property
     def enabled(self) -> bool:
@@ -82,16 +86,16 @@ class StateKeeper:
     # --- start and takeover -----------------------------------------------------------
 
     async def load(self) -> Restored:
-        """Read and decode everything: a StoreError here must stop the start."""
+        """Read and decode everything: a StoreError here must stop the start.
+
+        Every known node comes back UNREACHABLE as if its stream just dropped (with the
+        nodes restored replicas run on); replicas are kept.
+        """
         assert self.store is not None
         records = await self.store.load()
         restored = decode_state(records, self.clock.at_now(), self.store.description)
         assert self.persister is not None
         self.persister.seed(records)
-        return restored
-
-    def restore(self, restored: Restored) -> None:
-        """Every known node UNREACHABLE as if its stream just dropped; replicas kept."""
         missing = known_nodes(restored, time.monotonic())
         adoptable(restored)
         if missing:
@@ -100,37 +104,24 @@ class StateKeeper:
                 nodes=len(missing),
                 first=missing[0],
             )
-        c = self.controller
+        return restored
+
+    def restored(self, restored: Restored, published: int) -> None:
+        """The controller applied ``restored``; it publishes ``published`` (a version)."""
         self.other = restored.other
-        c.inventory.nodes.update(restored.nodes)
-        c.state.replicas.update(restored.replicas)
-        c.state.replaced.update(restored.replaced)
-        if restored.publish_version:
-            c.publisher.version = max(c.publisher.version, restored.publish_version + 1)
-        if not restored.empty:
-            # What ran before is known: publish it from the first snapshot on, rather than
-            # wait out the startup grace with nothing for the routers.
-            c.publisher.update(c.endpoints())
-            c.publisher.primed.set()
-        self._published = c.publisher.version
-        log.info(
-            "state restored",
-            store=self.store.description if self.store else None,
-            nodes=len(restored.nodes),
-            replicas=len(restored.replicas),
-            endpoints=len(c.publisher.endpoints),
-            publish_version=c.publisher.version,
-        )
+        self._published = published
 
     def reset(self) -> None:
-        """Forget everything in memory (a standby that lost or gave up the lead)."""
-        c = self.controller
-        c.inventory = Inventory()
-        c.state = ControlState(started_at=time.monotonic())
+        """Forget what was staged and kept (a standby that lost or gave up the lead)."""
         self._dirty_nodes.clear()
         self.other = {}
         if self.persister is not None:
             self.persister = Persister(self.persister.store, self.persister.metrics)
+
+    def writing(self, on: bool) -> None:
+        """Write (leading) or drop every change (standing by)."""
+        if self.persister is not None:
+            self.persister.enabled = on
 
     # --- changes ----------------------------------------------------------------------
 
@@ -138,13 +129,18 @@ class StateKeeper:
         if self.persister is not None:
             self._dirty_nodes.add(node_id)
 
-    def after_pass(self) -> None:
+    def after_pass(
+        self,
+        nodes: Mapping[str, Node],
+        state: ControlState,
+        publish_version: int,
+        endpoints: Iterable[tuple[Any, ...]],
+    ) -> None:
+        """Stage what changed of the nodes, the replicas and the published endpoints."""
         p = self.persister
         if p is None or not p.enabled:
             return
-        c = self.controller
         clock = self.clock
-        nodes = c.inventory.nodes
         for node_id in self._dirty_nodes:
             node = nodes.get(node_id)
             p.stage(NODE, node_id, encode_node(node, clock) if node is not None else None)
@@ -152,18 +148,18 @@ class StateKeeper:
         # LOST nodes stay known (an agent may come back); nodes pruned away are deleted.
         for gone in p.known(NODE) - nodes.keys():
             p.stage(NODE, gone, None)
-        replicas = c.state.replicas
+        replicas = state.replicas
         for rid, r in replicas.items():
             p.stage(REPLICA, rid, encode_replica(r, clock))
         for gone in p.known(REPLICA) - replicas.keys():
             p.stage(REPLICA, gone, None)
-        replaced = encode_replaced(c.state.replaced, clock)
+        replaced = encode_replaced(state.replaced, clock)
         if replaced != self._replaced:
             self._replaced = replaced
             p.stage(META, "replaced", replaced)
-        if c.publisher.version != self._published:
-            self._published = c.publisher.version
-            p.stage(PUBLISH, "current", encode_publish(c.publisher.version, c.publisher.endpoints))
+        if publish_version != self._published:
+            self._published = publish_version
+            p.stage(PUBLISH, "current", encode_publish(publish_version, endpoints))
 
     async def durable(self, timeout: float) -> bool:
         """Everything staged so far is in the store (True at once without a store)."""
@@ -171,9 +167,6 @@ class StateKeeper:
         if p is None or not p.enabled:
             return True
         return await p.durable(timeout)
-
-    def lost_nodes(self) -> int:
-        return sum(1 for n in self.controller.inventory.nodes.values() if n.state == NodeState.LOST)
 
     async def write_now(self, changes: list[Change]) -> None:
         assert self.store is not None
