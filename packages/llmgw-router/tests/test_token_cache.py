@@ -330,3 +330,21 @@ def test_block_hashes_of_an_array_of_tokens_are_those_of_the_list(
         tokens, block_size
     )
     assert block_hash(7, array("I", tokens)) == block_hash(7, tokens)
+
+
+def test_only_the_markers_the_template_writes_are_cut_at(tmp_path: Path) -> None:
+    # Gemma 3 has thousands of added tokens (<unused0>...); the cut is at the template's.
+    specials = ["<bos>", "<start_of_turn>", "<end_of_turn>"] + [f"<unused{i}>" for i in range(3000)]
+    tok = with_added("bytelevel", [AddedToken(s, special=True, normalized=False) for s in specials])
+    folder = tmp_path / "many"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "chat_template": GEMMA}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    prompt = PromptTokenizer(folder)
+    assert prompt.boundaries == ["<bos>", "<end_of_turn>", "<start_of_turn>"]
+    # Every added token that is safe would do, given the choice.
+    assert len(boundary_tokens(tok)) == len(specials)
+    # A client writing another added token: still the full tokenization's tokens.
+    messages = [{"role": "user", "content": "hello <unused5> there " * 20}]
+    assert list(prompt.chat(messages) or []) == prompt.full(prompt.render(messages) or "")

@@ -36,6 +36,7 @@ an added token, so no piece of it starts the text: a pre-tokenizer that treats t
 first piece differently (``Metaspace`` with ``prepend_scheme="first"``) does the same to it
 alone as within the whole. A tokenizer with truncation, padding or
 ``encode_special_tokens`` gets no boundaries (whole texts are cached, nothing is cut).
+Only the tokens the chat template writes (and the tokenizer's named specials) are cut at.
 Segments are kept in a trie keyed by (parent segment, text), so a conversation's next turn
 finds its earlier turns' tokens and encodes only what is new.
 """
@@ -95,10 +96,12 @@ def _token_text(value: object) -> str | None:
     return None
 
 
-def boundary_tokens(tokenizer: Any) -> list[str]:
+def boundary_tokens(tokenizer: Any, among: AbstractSet[str] | None = None) -> list[str]:
     """The added tokens of ``tokenizer`` (a ``tokenizers.Tokenizer``) that its encoding
     splits at in every text (see the module's doc): a text cut just before one encodes
-    as its two parts encoded alone, one after the other."""
+    as its two parts encoded alone, one after the other. Only those in ``among`` when
+    given (every added token is still checked against). Linear in the added tokens'
+    total length (a model may have thousands)."""
     if (
         tokenizer.truncation is not None
         or tokenizer.padding is not None
@@ -106,25 +109,49 @@ def boundary_tokens(tokenizer: Any) -> list[str]:
     ):
         return []
     added = [a for a in tokenizer.get_added_tokens_decoder().values() if a.content]
-    suffixes = {a.content[i:] for a in added for i in range(1, len(a.content))}
+    contents = [a.content for a in added]
+    # Every proper suffix of an added token: none may be a prefix of t (that token would
+    # straddle the cut)...
+    suffixes = {c[i:] for c in contents for i in range(1, len(c))}
+    # ...nor begin with t: t occurs inside an added token, not at its start.
+    joined = "\x00".join(contents)
+    starts = set(itertools.accumulate((len(c) + 1 for c in contents[:-1]), initial=0))
+    # Prefixes of the tokens that take whitespace from before them or need a word
+    # boundary: t must be none (a longer token beginning with t would match at the cut).
+    risky = {
+        a.content[:k]
+        for a in added
+        if not a.normalized and (a.lstrip or a.single_word)
+        for k in range(1, len(a.content) + 1)
+    }
     any_single_word = any(a.single_word for a in added)
-    out = []
+    out = set()
     for a in added:
         t = a.content
+        if among is not None and t not in among:
+            continue
         if a.normalized or a.lstrip or a.single_word or t[0].isspace() or t[-1].isspace():
             continue
         if any_single_word and (t[0].isalnum() or t[0] == "_"):
             continue
-        if any(y.startswith(t) or t.startswith(y) for y in suffixes):
+        if t in risky or any(t[:k] in suffixes for k in range(1, len(t) + 1)):
             continue
-        if any(
-            b.content.startswith(t) and (b.lstrip or b.single_word)
-            for b in added
-            if not b.normalized
-        ):
+        if _occurs_inside(joined, starts, t):
             continue
-        out.append(t)
-    return sorted(set(out))
+        out.add(t)
+    return sorted(out)
+
+
+def _occurs_inside(joined: str, starts: AbstractSet[int], t: str) -> bool:
+    """Whether ``t`` occurs in ``joined`` (the tokens, separated) other than at one of
+    the tokens' ``starts`` (an occurrence across a separator counts too: a false alarm,
+    never a miss)."""
+    at = joined.find(t)
+    while at != -1:
+        if at not in starts:
+            return True
+        at = joined.find(t, at + 1)
+    return False
 
 
 def boundary_pattern(tokens: Sequence[str]) -> re.Pattern[str] | None:
@@ -287,8 +314,17 @@ class PromptTokenizer:
         self._off_loop_chars = off_loop_chars
         self._chat_root = self._cache.root()
         self._completion_root = self._cache.root()
-        self.boundaries = boundary_tokens(self._tokenizer)
+        # Cut only at the tokens the template writes (a model may have thousands of
+        # added tokens; a marker a client writes is still one the tokenizer splits at).
+        source = template if isinstance(template, str) else ""
+        written = {t for t in self._special.values() if t} | {
+            t for t in self._added_contents() if t in source
+        }
+        self.boundaries = boundary_tokens(self._tokenizer, written)
         self._cut = boundary_pattern(self.boundaries)
+
+    def _added_contents(self) -> list[str]:
+        return [a.content for a in self._tokenizer.get_added_tokens_decoder().values()]
 
     def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         # The batch encoder without offsets: a third of `encode`'s time (2,900 gemma-3
