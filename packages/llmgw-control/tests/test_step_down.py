@@ -22,7 +22,8 @@ import grpclib.server
 import pytest
 from grpclib.exceptions import GRPCError
 from llmgw_control.config import HaSettings
-from llmgw_control.ha import LEADER_METADATA, LeaderGate, Leadership
+from llmgw_control.leader_gate import LEADER_METADATA, LeaderGate
+from llmgw_control.leadership import Leadership
 from llmgw_proto import v1
 from llmgw_testkit import free_port, wait_for_async
 from structlog.testing import capture_logs

@@ -22,19 +22,19 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_control.config import EtcdSettings, HaSettings, PostgresSettings
-from llmgw_control.ha import EtcdBackend, Leadership, PostgresBackend
 from llmgw_control.inventory import Node, NodeState, ShardReport
+from llmgw_control.leadership import Leadership
 from llmgw_control.placement import GpuSlot
 from llmgw_control.records import Replica, ShardPlan
 from llmgw_control.store.base import SCHEMA_VERSION, Change, NotLeader, StoreError
-from llmgw_control.store.etcd import EtcdStore
+from llmgw_control.store.etcd import EtcdBackend, EtcdStore
 from llmgw_control.store.persist import (
     Clock,
     decode_state,
     encode_node,
     encode_replica,
 )
-from llmgw_control.store.postgres import PostgresStore
+from llmgw_control.store.postgres import PostgresBackend, PostgresStore
 from llmgw_control.store.sqlite import SqliteStore
 from llmgw_proto import v1
 from llmgw_testkit import free_port, wait_for_async
@@ -591,7 +591,7 @@ async def test_a_standby_refuses_with_the_leaders_address(leader: str) -> None:
     import grpclib.const
     import grpclib.server
     from grpclib.exceptions import GRPCError
-    from llmgw_control.ha import LEADER_METADATA, LeaderGate
+    from llmgw_control.leader_gate import LEADER_METADATA, LeaderGate
     from llmgw_control.publish import Publisher
 
     gate = LeaderGate([Publisher()], lambda: False, lambda: leader)

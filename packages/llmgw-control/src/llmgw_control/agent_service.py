@@ -14,9 +14,9 @@ import contextlib
 import datetime as dt
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
@@ -376,6 +376,11 @@ DEPOSED_SENDS_ANYWAY = "LLMGW_TEST_DEPOSED_SENDS_ANYWAY"
 def deposed_sends_anyway() -> bool:
     armed = os.environ.get(DEPOSED_SENDS_ANYWAY, "")
     return bool(armed) and os.path.exists(armed)
+
+
+def admitted_while_deposed(handler: Callable[[Any], Awaitable[None]]) -> bool:
+    """TEST ONLY (see DEPOSED_SENDS_ANYWAY): the LeaderGate lets agent streams through."""
+    return isinstance(getattr(handler, "__self__", None), AgentService) and deposed_sends_anyway()
 
 
 def _is_command(msg: v1.ControlMessage) -> bool:

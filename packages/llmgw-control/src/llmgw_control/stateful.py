@@ -20,15 +20,11 @@ from typing import Any
 import structlog
 from prometheus_client import Gauge
 
+from llmgw_control.agent_service import admitted_while_deposed
 from llmgw_control.config import ControlConfig, split_hostport
 from llmgw_control.controller import Controller
-from llmgw_control.ha import (
-    EtcdBackend,
-    LeaderGate,
-    Leadership,
-    PostgresBackend,
-    default_instance_id,
-)
+from llmgw_control.leader_gate import LeaderGate
+from llmgw_control.leadership import Leadership, default_instance_id
 from llmgw_control.store import Change, Store, make_store
 from llmgw_control.store.keeper import StateKeeper
 from llmgw_control.store.persist import META
@@ -67,8 +63,14 @@ class Stateful:
             address = ha.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             backend: Any
             if ha.backend == "etcd":
+                from llmgw_control.store.etcd import EtcdBackend, EtcdStore
+
+                assert isinstance(self.store, EtcdStore)
                 backend = EtcdBackend(self.store, instance, address, float(ha.lease_ttl))
             else:
+                from llmgw_control.store.postgres import PostgresBackend, PostgresStore
+
+                assert isinstance(self.store, PostgresStore)
                 backend = PostgresBackend(self.store, instance, address, float(ha.lease_ttl))
             self.leadership = Leadership(backend, ha, instance, address, self._elected, self._lost)
             lead = self.leadership
@@ -78,7 +80,9 @@ class Stateful:
                 "thread of its own; a gap near lease_ttl means the lead was nearly lost).",
                 registry=registry,
             ).set_function(lambda: lead.longest_gap)
-            self.gate = LeaderGate([], lambda: self._leading(), lambda: self._leader())
+            self.gate = LeaderGate(
+                [], lambda: self._leading(), lambda: self._leader(), admitted_while_deposed
+            )
             # Nothing goes out before this instance is elected, nor past its lease.
             controller.agents.dispatching = False
             controller.agents.lease_valid = self.leadership.valid

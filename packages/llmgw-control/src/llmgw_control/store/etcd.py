@@ -1,7 +1,7 @@
 """etcd (v3 API, through the asyncio client ``aetcd``): records under one key prefix.
 
 ``{prefix}/schema`` holds the schema version, ``{prefix}/records/{kind}/{key}`` each
-record, and ``{prefix}/leader`` the leader's claim (see :mod:`llmgw_control.ha`).
+record, and ``{prefix}/leader`` the leader's claim (:class:`EtcdBackend`, for :mod:`llmgw_control.leadership`).
 With a leader, every write is one transaction that first compares the leader key's
 value with this instance's claim: a deposed leader cannot write.
 """
@@ -9,7 +9,9 @@ value with this instance's claim: a deposed leader cannot write.
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ from llmgw_control.store.base import (
     group,
 )
 
-__all__ = ["EtcdStore"]
+__all__ = ["EtcdBackend", "EtcdStore"]
 
 # etcd refuses transactions of more than 128 operations by default.
 TXN_OPS = 100
@@ -204,3 +206,97 @@ async def _close(client: Any) -> None:
 def _why(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+class EtcdBackend:
+    """Leadership on etcd: the lease and the leader key, through a client of its own.
+
+    A :class:`llmgw_control.leadership.Backend`: every method runs on the renewal
+    thread's loop.
+
+    The store's client (on the main loop) writes the records, each write fenced on
+    the claim this backend puts in ``store.fence``.
+    """
+
+    def __init__(self, store: EtcdStore, instance: str, address: str, ttl: float) -> None:
+        self.store = store
+        store.ha = True
+        self.instance = instance
+        self.address = address
+        self.ttl = max(round(ttl), 1)
+        self.key = store.key("leader")
+        self.lease: Any = None
+        # This backend's own connection (opened on the renewal thread's loop); until
+        # then, the store's (tests drive a backend from one loop).
+        self.own: EtcdStore | None = None
+
+    @property
+    def session(self) -> Any:
+        return self.own if self.own is not None else self.store
+
+    async def open(self) -> None:
+        own = EtcdStore(self.store.settings, self.store.setting)
+        await own.open()
+        self.own = own
+
+    async def close(self) -> None:
+        own, self.own = self.own, None
+        if own is not None:
+            await own.close()
+
+    async def acquire(self) -> int | None:
+        session = self.session
+        client = session.client
+        t = client.transactions
+        epoch_key = self.store.key("epoch")
+        prev = await session._call(client.get(epoch_key))
+        # Never below the wall clock's seconds, never below the last epoch + 1: newer than
+        # any epoch an agent saw, even from a control plane whose store was replaced.
+        epoch = max(int(prev.value) + 1 if prev is not None else 1, int(time.time()))
+        lease = await session._call(client.lease(self.ttl))
+        claim = json.dumps(
+            {"instance": self.instance, "address": self.address, "lease": lease.id, "epoch": epoch}
+        ).encode()
+        unchanged = (
+            t.mod(epoch_key) == prev.mod_revision if prev is not None else t.version(epoch_key) == 0
+        )
+        ok, _ = await session._call(
+            client.transaction(
+                compare=[t.create(self.key) == 0, unchanged],
+                success=[
+                    t.put(self.key, claim, lease=lease),
+                    t.put(epoch_key, str(epoch).encode()),
+                ],
+                failure=[],
+            )
+        )
+        if not ok:
+            with contextlib.suppress(StoreError):
+                await session._call(client.revoke_lease(lease.id))
+            return None
+        self.lease = lease
+        self.store.fence = (self.key, claim)
+        return epoch
+
+    async def renew(self) -> bool:
+        if self.lease is None:
+            return False
+        session = self.session
+        reply = await session._call(session.client.refresh_lease(self.lease.id))
+        return reply is not None and int(reply.TTL) > 0
+
+    async def leader(self) -> tuple[str, str] | None:
+        session = self.session
+        got = await session._call(session.client.get(self.key))
+        if got is None:
+            return None
+        claim = json.loads(bytes(got.value))
+        return str(claim["instance"]), str(claim["address"])
+
+    async def release(self) -> None:
+        lease, self.lease = self.lease, None
+        self.store.fence = None
+        if lease is not None:
+            session = self.session
+            with contextlib.suppress(StoreError):
+                await session._call(session.client.revoke_lease(lease.id))

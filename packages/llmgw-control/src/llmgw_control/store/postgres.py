@@ -1,7 +1,7 @@
 """PostgreSQL (through asyncpg): records in one table, the leader's claim in another.
 
-With a leader (see :mod:`llmgw_control.ha`), the session advisory lock is held by the
-leadership's own session (on its renewal thread); each write transaction first checks,
+With a leader (:class:`PostgresBackend`, for :mod:`llmgw_control.leadership`), the
+session advisory lock is held by the leadership's own session (on its renewal thread); each write transaction first checks,
 in ``pg_locks``, that this session (by its server pid) still holds the lock, and that
 the epoch row still has this leader's epoch (read ``FOR SHARE``: a new leader's bump
 waits for the write, or the write sees the bump): a deposed leader cannot write.
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
+import structlog
 
 from llmgw_control.config import PostgresSettings
 from llmgw_control.store.base import (
@@ -27,7 +28,9 @@ from llmgw_control.store.base import (
     group,
 )
 
-__all__ = ["LOCK_KEY", "PostgresStore"]
+__all__ = ["LOCK_KEY", "PostgresBackend", "PostgresStore"]
+
+log = structlog.get_logger(__name__)
 
 # The advisory lock of the leader: one fixed 64-bit key ("llmgwctl").
 LOCK_KEY = 0x6C6C6D6777637463
@@ -193,3 +196,99 @@ def _redacted(dsn: str) -> str:
 
 def _read(path: str) -> str:
     return Path(path).read_text().strip()
+
+
+class PostgresBackend:
+    """Leadership on PostgreSQL: the advisory lock, on a session of its own.
+
+    A :class:`llmgw_control.leadership.Backend`: every method runs on the renewal
+    thread's loop.
+
+    The store's connection (on the main loop) writes the records; each write first
+    checks that this backend's session (``store.fence``: its server pid and the epoch)
+    still holds the lock and that no newer epoch was taken.
+    """
+
+    def __init__(self, store: PostgresStore, instance: str, address: str, ttl: float = 0.0) -> None:
+        self.store = store
+        store.ha = True
+        self.instance = instance
+        self.address = address
+        # The lease: the server ends this session when idle for that long (see _conn).
+        self.ttl = ttl
+        self.conn: Any = None
+
+    async def open(self) -> None:
+        """Nothing to do: the session is made on first use, on the loop that uses it."""
+
+    async def close(self) -> None:
+        await self._drop()
+
+    async def _conn(self) -> Any:
+        if self.conn is None or self.conn.is_closed():
+            conn = await self.store.connect()
+            if self.ttl > 0:
+                # A frozen (SIGSTOP) or hung leader keeps its session open, and with it the
+                # lock: no standby could take over until it resumed. The server ends a
+                # session idle for a lease (PostgreSQL 14+), which frees the lock; a live
+                # instance uses its session every third of one.
+                try:
+                    await conn.execute(
+                        f"SET idle_session_timeout = {max(1, round(self.ttl * 1000))}"
+                    )
+                except asyncpg.PostgresError as err:
+                    log.warning(
+                        "idle_session_timeout not set: a frozen leader keeps the lead "
+                        "until it resumes",
+                        error=str(err),
+                    )
+            self.conn = conn
+        return self.conn
+
+    async def acquire(self) -> int | None:
+        try:
+            conn = await self._conn()
+            if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+                return None
+            epoch = await conn.fetchval(
+                "INSERT INTO llmgw_leader (id, epoch, instance, address)"
+                " VALUES (1, extract(epoch from now())::bigint, $1, $2)"
+                " ON CONFLICT (id) DO UPDATE SET epoch = GREATEST(llmgw_leader.epoch + 1,"
+                " extract(epoch from now())::bigint),"
+                " instance = excluded.instance, address = excluded.address, since = now()"
+                " RETURNING epoch",
+                self.instance,
+                self.address,
+            )
+            self.store.fence = (int(conn.get_server_pid()), int(epoch))
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
+            await self._drop()
+            raise StoreError(f"{self.store.description}: {err}") from None
+        return int(epoch)
+
+    async def renew(self) -> bool:
+        try:
+            conn = await self._conn()
+            return bool(await conn.fetchval(HELD, *lock_parts()) == 1)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
+            raise StoreError(f"{self.store.description}: {err}") from None
+
+    async def leader(self) -> tuple[str, str] | None:
+        try:
+            conn = await self._conn()
+            row = await conn.fetchrow("SELECT instance, address FROM llmgw_leader WHERE id = 1")
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as err:
+            await self._drop()
+            raise StoreError(f"{self.store.description}: {err}") from None
+        return (str(row["instance"]), str(row["address"])) if row else None
+
+    async def _drop(self) -> None:
+        # A session that may still hold the lock is closed: the lock goes with it.
+        self.store.fence = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.terminate()
+
+    async def release(self) -> None:
+        await self._drop()
