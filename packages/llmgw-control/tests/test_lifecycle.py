@@ -10,16 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 from llmgw_control.inventory import GpuSlot, Node, ShardReport
-from llmgw_control.lifecycle import (
-    LoadSample,
-    ReplicaView,
-    ScaleSpec,
-    ScaleState,
-    autoscale,
-    rollout_step,
-)
 from llmgw_control.reconciler import Settings, reconcile
 from llmgw_control.records import ControlState, Drain, Start
+from llmgw_control.rollout import ReplicaView, rollout_step
+from llmgw_control.scaling import LoadSample, ScaleSpec, ScaleState, autoscale
 from llmgw_proto import v1
 
 S = v1.ShardState

@@ -1,6 +1,6 @@
 """The autoscaler over the fleet: per autoscaled profile, the wanted count and why.
 
-Gathers what :func:`llmgw_control.lifecycle.autoscale` decides on (ready replicas,
+Gathers what :func:`llmgw_control.scaling.autoscale` decides on (ready replicas,
 their fresh load figures, routers' demand) from the control plane's records, keeps
 each profile's :class:`ScaleState` between passes, and hands the reconciler the
 wanted counts. No I/O.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw_control.catalog import Catalog
-from llmgw_control.lifecycle import LoadSample, ScaleSpec, ScaleState, autoscale
 from llmgw_control.loads import Figures
 from llmgw_control.records import Replica
+from llmgw_control.scaling import LoadSample, ScaleSpec, ScaleState, autoscale
 
 __all__ = ["Autoscaler"]
 

@@ -32,7 +32,7 @@ from llmgw_control.config import (
     tls_problem,
 )
 from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
-from llmgw_control.stateful import Stateful
+from llmgw_control.leading import Leading
 from llmgw_control.store import StoreError
 from llmgw_control.tls_gate import GatedServer
 
@@ -84,11 +84,11 @@ def serve(config_path: Path, insecure: bool) -> None:
 
 async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     controller = Controller(loaded)
-    stateful = Stateful(controller, loaded.config, config_path)
+    leading = Leading(controller, loaded.config, config_path)
     try:
-        await stateful.open()
+        await leading.open()
     except BaseException:
-        await stateful.store.close()
+        await leading.store.close()
         raise
     config = loaded.config
     ssl = None
@@ -119,7 +119,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         controller.metrics.refusals.labels(stream, "too large").inc()
 
     server = GatedServer(
-        stateful.services([controller.agents, controller.publisher]),
+        leading.services([controller.agents, controller.publisher]),
         ssl_context=ssl,
         on_refused=refused,
         max_message=config.max_message_bytes,
@@ -140,7 +140,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(controller, config_path))
-    stateful.start()
+    leading.start()
     housekeeping = [
         asyncio.create_task(keep_heap()),
         asyncio.create_task(watch_loop_lag(controller.metrics)),
@@ -162,7 +162,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     await admin.close()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(server.wait_closed(), 5.0)
-    await stateful.stop()
+    await leading.stop()
 
 
 def _reload(controller: Controller, path: Path) -> None:

@@ -21,7 +21,6 @@ from llmgw_proto.backoff import exponential
 
 from llmgw_control.catalog import Catalog, ProfileSpec
 from llmgw_control.inventory import Node, NodeState, ShardReport
-from llmgw_control.lifecycle import ReplicaView, rollout_step
 from llmgw_control.placement import (
     Demand,
     NodeView,
@@ -42,6 +41,7 @@ from llmgw_control.records import (
     remember_taken,
     taken_on,
 )
+from llmgw_control.rollout import ReplicaView, rollout_step
 
 __all__ = ["Decision", "Settings", "reconcile"]
 

@@ -29,12 +29,12 @@ from llmgw_control.store import Change, Store, make_store
 from llmgw_control.store.keeper import StateKeeper
 from llmgw_control.store.persist import META
 
-__all__ = ["Stateful"]
+__all__ = ["Leading"]
 
 log = structlog.get_logger(__name__)
 
 
-class Stateful:
+class Leading:
     def __init__(
         self, controller: Controller, config: ControlConfig, config_path: Path | None
     ) -> None:
