@@ -25,16 +25,12 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import structlog
 from llmgw_proto import v1
 
 from llmgw_agent.adapters import (
-    Adapter,
-    Launch,
     adapter_for,
     redacted_argv,
     wants_kv_port,
@@ -42,11 +38,19 @@ from llmgw_agent.adapters import (
     with_kv_port,
 )
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.engine_process import (
+    Engine,
+    exit_text,
+    now,
+    own_polls,
+    terminate,
+    wait_exit,
+)
 from llmgw_agent.engines import InstalledEngine, load_installed
 from llmgw_agent.health import health_status, running_requests
 from llmgw_agent.kv_events import KvSource
 from llmgw_agent.load import LoadSource
-from llmgw_agent.output import OutputFollower, Skip, file_tail, poll_lines
+from llmgw_agent.output import OutputFollower, file_tail
 from llmgw_agent.plan import Plan, Refused, plan
 from llmgw_agent.procs import (
     Marked,
@@ -54,7 +58,6 @@ from llmgw_agent.procs import (
     marked_processes,
     marks,
     process_start_ticks,
-    signal_name,
     stop_group,
 )
 from llmgw_agent.records import (
@@ -81,49 +84,6 @@ log = structlog.get_logger(__name__)
 
 StatusSink = Callable[[v1.ShardStatus], None]
 S = v1.ShardState
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
-
-
-@dataclass
-class Engine:
-    """One engine process of one shard: its record, and everything watching it."""
-
-    record: ShardRecord
-    adapter: Adapter
-    path: Path
-    output: OutputFollower
-    popen: subprocess.Popen[bytes] | None
-    state: v1.ShardState = S.STARTING
-    adopted: bool = False
-    # Set once the agent asked it to stop: its exit is then STOPPED, not FAILED.
-    stop_reason: str = ""
-    # Set when the agent kills it for a failure of its own (load timeout).
-    fail_reason: str = ""
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    lifecycle: asyncio.Task[None] | None = None
-    exit_code: int | None = None
-    exit_signal: int | None = None
-
-    @property
-    def start(self) -> v1.StartShard:
-        return self.record.start
-
-    @property
-    def shard_id(self) -> str:
-        return self.record.start.shard_id
-
-    @property
-    def pid(self) -> int:
-        return self.record.pid
-
-    def save(self) -> None:
-        self.record.state = self.state.name
-        self.record.save(self.path)
 
 
 class Supervisor:
@@ -216,7 +176,7 @@ class Supervisor:
                 command_id=drain.command_id, ok=True, error=f"shard {drain.shard_id} is not running"
             )
         if engine.state != S.DRAINING and not engine.stop_reason:
-            deadline = drain.deadline or _now() + datetime.timedelta(seconds=self.config.stop_grace)
+            deadline = drain.deadline or now() + datetime.timedelta(seconds=self.config.stop_grace)
             self._spawn_task(engine, self._drain(engine, deadline))
         return v1.CommandResult(command_id=drain.command_id, ok=True)
 
@@ -332,7 +292,7 @@ class Supervisor:
                     tail=file_tail(
                         Path(record.output_path),
                         self.config.output_tail_lines,
-                        _own_polls(record.launch),
+                        own_polls(record.launch),
                         record.launch.api_key,
                     ),
                 )
@@ -417,7 +377,7 @@ class Supervisor:
             record.shard_id,
             lines=self.config.output_buffer_lines,
             max_bytes=self.config.output_file_max_bytes,
-            skip=_own_polls(record.launch),
+            skip=own_polls(record.launch),
             secret=record.launch.api_key,
         )
 
@@ -510,7 +470,7 @@ class Supervisor:
                 state=state,
                 reason=reason,
                 output_tail=tail,
-                time=_now(),
+                time=now(),
                 ports_taken=ports_taken or [],
             )
         )
@@ -526,7 +486,7 @@ class Supervisor:
             state=state,
             reason=reason,
             endpoint_url=launch.endpoint_url if state == S.READY else "",
-            time=_now(),
+            time=now(),
             pid=engine.pid,
             port=engine.start.port,
             gpu_indices=list(engine.start.gpu_indices),
@@ -547,7 +507,7 @@ class Supervisor:
             asyncio.create_task(self._await_ready(engine)) if engine.state == S.STARTING else None
         )
         try:
-            await self._wait_exit(engine)
+            await wait_exit(engine)
         finally:
             if health is not None:
                 health.cancel()
@@ -562,7 +522,7 @@ class Supervisor:
         # Children the engine left in its group would hold GPU memory: they go too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(engine.pid, signal.SIGKILL)
-        how = self._exit_text(engine)
+        how = exit_text(engine)
         if engine.stop_reason and not engine.fail_reason:
             self._emit(engine, S.STOPPED, reason=f"{engine.stop_reason} ({how})")
         else:
@@ -572,45 +532,6 @@ class Supervisor:
         if self.engines.get(engine.shard_id) is engine:
             del self.engines[engine.shard_id]
         engine.done.set()
-
-    def _exit_text(self, engine: Engine) -> str:
-        if engine.exit_signal is not None:
-            return f"killed by {signal_name(engine.exit_signal)}"
-        if engine.exit_code is not None:
-            return f"exit code {engine.exit_code}"
-        return "exit code unknown (started by a previous agent, so not this agent's child)"
-
-    async def _wait_exit(self, engine: Engine) -> None:
-        loop = asyncio.get_running_loop()
-        fd = -1
-        with contextlib.suppress(OSError, AttributeError):
-            fd = os.pidfd_open(engine.pid)
-        exited = asyncio.Event()
-        if fd >= 0:
-            # The pidfd turns readable when the process ends: no polling while it runs.
-            loop.add_reader(fd, exited.set)
-        try:
-            while not self._has_exited(engine):
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.5 if fd < 0 else 5.0):
-                        await exited.wait()
-        finally:
-            if fd >= 0:
-                loop.remove_reader(fd)
-                os.close(fd)
-        engine.exited.set()
-
-    def _has_exited(self, engine: Engine) -> bool:
-        if engine.popen is not None:
-            code = engine.popen.poll()
-            if code is None:
-                return False
-            if code < 0:
-                engine.exit_signal = -code
-            else:
-                engine.exit_code = code
-            return True
-        return process_start_ticks(engine.pid) != engine.record.pid_start
 
     async def _await_ready(self, engine: Engine) -> None:
         record = engine.record
@@ -635,7 +556,7 @@ class Supervisor:
                     f"not ready within the load timeout of {record.load_timeout:g}s "
                     f"(last health check: {status or 'no answer'})"
                 )
-                await self._terminate(engine, self.config.stop_grace)
+                await terminate(engine, self.config.stop_grace)
                 return
             await asyncio.sleep(interval)
         if engine.stop_reason or engine.exited.is_set():
@@ -655,7 +576,7 @@ class Supervisor:
             running = await running_requests(
                 launch.metrics_url, engine.adapter.running_metric, launch.api_key
             )
-            if running == 0 or _now() >= deadline:
+            if running == 0 or now() >= deadline:
                 break
             await asyncio.sleep(self.config.drain_poll_interval)
         if running:
@@ -667,24 +588,5 @@ class Supervisor:
     async def _stop(self, engine: Engine, grace: float, reason: str) -> None:
         if not engine.stop_reason:
             engine.stop_reason = reason
-        await self._terminate(engine, grace)
+        await terminate(engine, grace)
         await engine.done.wait()
-
-    async def _terminate(self, engine: Engine, grace: float) -> None:
-        """SIGTERM to the whole group, then SIGKILL after ``grace`` seconds."""
-        if engine.exited.is_set():
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(engine.pid, signal.SIGTERM)
-        try:
-            async with asyncio.timeout(grace):
-                await engine.exited.wait()
-        except TimeoutError:
-            log.warning("engine ignored SIGTERM; killing", shard=engine.shard_id, grace=grace)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(engine.pid, signal.SIGKILL)
-
-
-def _own_polls(launch: Launch) -> Skip:
-    """The engine's access lines for this agent's health and metrics polls."""
-    return poll_lines(urlsplit(url).path for url in (launch.health_url, launch.metrics_url) if url)
