@@ -25,7 +25,7 @@ from llmgw_control.config import ControlConfig, split_hostport
 from llmgw_control.controller import Controller
 from llmgw_control.leader_gate import LeaderGate
 from llmgw_control.leadership import Leadership, default_instance_id
-from llmgw_control.store import Change, Store, make_store
+from llmgw_control.store import Change, Store, leader_backend, make_store
 from llmgw_control.store.keeper import StateKeeper
 from llmgw_control.store.persist import META
 
@@ -61,17 +61,8 @@ class Leading:
             host, port = split_hostport(config.listen)
             instance = ha.instance_id or default_instance_id(config.listen)
             address = ha.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-            backend: Any
-            if ha.backend == "etcd":
-                from llmgw_control.store.etcd import EtcdBackend, EtcdStore
-
-                assert isinstance(self.store, EtcdStore)
-                backend = EtcdBackend(self.store, instance, address, float(ha.lease_ttl))
-            else:
-                from llmgw_control.store.postgres import PostgresBackend, PostgresStore
-
-                assert isinstance(self.store, PostgresStore)
-                backend = PostgresBackend(self.store, instance, address, float(ha.lease_ttl))
+            # The config has the state on ha.backend (checked when loaded).
+            backend = leader_backend(self.store, instance, address, float(ha.lease_ttl))
             self.leadership = Leadership(backend, ha, instance, address, self._elected, self._lost)
             lead = self.leadership
             Gauge(
