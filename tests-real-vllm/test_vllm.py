@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import openai
-from llmgw_agent.kv_events import loopback_kv_config
 from llmgw_testkit import http_get, wait_for
 from llmgw_testkit.cluster import Cluster, metric_sum
 
@@ -141,12 +140,18 @@ def test_placed_on_the_cpu_node_and_launched_through_the_adapter(
     assert args[args.index("--port") + 1] == str(shard["port"])
     assert args[args.index("--served-model-name") + 1] == SERVED_NAME
     assert args[args.index(engine.tp_flag) + 1] == "1"
-    # The profile's engine_args, last; KV events published on loopback whatever the profile
-    # said (issue 24.3), and SGLang's secret (on its command line) after them.
-    engine_args = [loopback_kv_config(a)[0] for a in profile["engine_args"]]
+    # The profile's engine_args, last (SGLang's secret, on its command line, after them);
+    # the KV events go to a Unix socket of the agent's, not tcp://* (issue 24.3).
+    engine_args = profile["engine_args"]
     if args[-2:-1] == ["--api-key"]:
         args = args[:-2]
-    assert args[-len(engine_args) :] == engine_args
+    for given, launched in zip(engine_args, args[-len(engine_args) :], strict=True):
+        if given.startswith("{"):
+            sent = json.loads(launched)
+            assert sent == {**json.loads(given), "endpoint": sent["endpoint"]}
+            assert sent["endpoint"].startswith("ipc://")
+        else:
+            assert launched == given
     environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
     for key, value in profile["env"].items():
         assert f"{key}={value}".encode() in environ, key

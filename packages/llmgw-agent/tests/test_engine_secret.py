@@ -23,6 +23,7 @@ from llmgw_agent.adapters import (
     build_launch,
     redacted_argv,
     with_api_key,
+    with_kv_endpoint,
 )
 from llmgw_agent.engine_flags import captured
 from llmgw_agent.kv_events import loopback_endpoint, loopback_kv_config
@@ -85,26 +86,29 @@ def test_a_profile_may_not_set_the_api_key(adapter: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("given_endpoint", "launched"),
+    ("given_endpoint", "subscribed"),
     [
         (None, "tcp://127.0.0.1:5557"),  # vLLM's default publishes on tcp://*:5557
         ("tcp://*:5557", "tcp://127.0.0.1:5557"),
         ("tcp://0.0.0.0:6000", "tcp://127.0.0.1:6000"),
-        ("tcp://*:0", "tcp://127.0.0.1:0"),
         ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
     ],
 )
-def test_kv_events_are_published_on_loopback(
-    kit: Any, given_endpoint: str | None, launched: str
+def test_kv_events_are_published_on_a_unix_socket(
+    kit: Any, given_endpoint: str | None, subscribed: str
 ) -> None:
     config: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq"}
     if given_endpoint is not None:
         config["endpoint"] = given_endpoint
     start = kit.make_start(engine_args=["--kv-events-config", json.dumps(config)])
-    result = launch(VLLM, start)
-    sent = json.loads(result.argv[result.argv.index("--kv-events-config") + 1])
-    assert sent["endpoint"] == launched
-    assert result.kv_events_endpoint == launched
+    planned = launch(VLLM, start)
+    assert planned.kv_events_endpoint == subscribed
+    # At launch the agent gives the engine a socket of its own: vLLM binds an ipc://
+    # endpoint (a tcp:// one it binds only as a wildcard, on every address of the node).
+    launched = with_kv_endpoint(planned, "ipc:///state/kv/s-0.kv")
+    sent = json.loads(launched.argv[launched.argv.index("--kv-events-config") + 1])
+    assert sent == {**config, "endpoint": "ipc:///state/kv/s-0.kv"}
+    assert launched.kv_events_endpoint == "ipc:///state/kv/s-0.kv"
 
 
 def test_kv_events_on_another_address_are_refused() -> None:

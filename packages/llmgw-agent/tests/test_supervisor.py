@@ -537,3 +537,24 @@ async def test_a_port_held_by_another_program_is_named_in_the_refusal(
     other = kit.make_start(shard_id="y-0", port=free_port(), gpu_indices=[9])
     assert not sup.start(other).ok
     assert (await recorder.wait("y-0", S.FAILED)).ports_taken == []
+
+
+async def test_kv_events_go_to_a_unix_socket_of_the_agents(
+    kit: Any, make_config: Callable[..., AgentConfig], reap: list[int]
+) -> None:
+    """Issue 24.3: not tcp://* (every address of the node), whatever the profile said."""
+    config = make_config()
+    recorder = Recorder()
+    sup = make_supervisor(config, recorder)
+    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0"}
+    start = kit.make_start(port=free_port(), engine_args=["--kv-events-config", json.dumps(kv)])
+    assert sup.start(start).ok
+    engine = sup.engines[start.shard_id]
+    reap.append(engine.pid)
+    launch = engine.record.launch
+    endpoint = json.loads(launch.argv[launch.argv.index("--kv-events-config") + 1])["endpoint"]
+    assert endpoint == launch.kv_events_endpoint
+    assert endpoint.startswith("ipc://")
+    where = Path(endpoint[len("ipc://") :]).parent
+    assert stat.S_IMODE(where.stat().st_mode) == 0o700
+    await sup.close(stop_engines=True)

@@ -19,7 +19,7 @@ from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport, url_host
 
 from llmgw_agent.engine_flags import ParsedArgs
-from llmgw_agent.kv_events import kv_events_target, loopback_kv_config
+from llmgw_agent.kv_events import kv_events_target
 
 __all__ = [
     "ADAPTERS",
@@ -341,10 +341,6 @@ def build_launch(
     local = f"http://{url_host(poll_host)}:{start.port}"
     headless = adapter.is_headless(start)
     kv = kv_events_target(parsed) if adapter.name in ("vllm", "sglang") and not headless else None
-    if adapter.name in ("vllm", "sglang"):
-        # KV events carry every cached prompt's token ids: published on loopback only
-        # (a wildcard or missing endpoint becomes 127.0.0.1; validation refuses others).
-        argv = _map_kv_config(argv, lambda raw: loopback_kv_config(raw)[0])
     return Launch(
         argv=argv,
         env=env,
@@ -375,6 +371,21 @@ def redacted_argv(launch: Launch) -> list[str]:
     if not launch.api_key:
         return list(launch.argv)
     return [("***" if arg == launch.api_key else arg) for arg in launch.argv]
+
+
+def with_kv_endpoint(launch: Launch, endpoint: str) -> Launch:
+    """``launch`` publishing its KV events on ``endpoint`` (in the engine's
+    --kv-events-config as in what the agent subscribes to)."""
+
+    def change(raw: str) -> str:
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            return raw
+        return json.dumps({**config, "endpoint": endpoint}) if isinstance(config, dict) else raw
+
+    argv = _map_kv_config(launch.argv, change)
+    return msgspec.structs.replace(launch, argv=argv, kv_events_endpoint=endpoint)
 
 
 def wants_kv_port(launch: Launch) -> bool:

@@ -78,9 +78,9 @@ def loopback_endpoint(endpoint: str) -> str | None:
 
 
 def loopback_kv_config(raw: str) -> tuple[str, str]:
-    """(the --kv-events-config to launch with, problem): the publisher bound to loopback
-    whatever the profile said; a problem naming the endpoint when it asks for another
-    address. A config that publishes nothing comes back as it was."""
+    """(the config with its endpoint on loopback, problem): a problem naming the endpoint
+    when the profile asks for another machine's address. A config that publishes nothing
+    comes back as it was. (At launch the agent gives the engine an ipc:// socket.)"""
     try:
         config = json.loads(raw)
     except ValueError:
@@ -93,7 +93,7 @@ def loopback_kv_config(raw: str) -> tuple[str, str]:
         return raw, (
             f"engine_args --kv-events-config: endpoint {endpoint!r} would publish the token "
             "ids of every cached prompt where other machines can read them; use "
-            "tcp://*:PORT or tcp://*:0 (the agent binds it to 127.0.0.1) or tcp://127.0.0.1:PORT"
+            "tcp://*:0 (the agent gives the engine a Unix socket of its own)"
         )
     if local == config.get("endpoint"):
         return raw, ""

@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,9 +34,8 @@ from llmgw_proto import v1
 from llmgw_agent.adapters import (
     adapter_for,
     redacted_argv,
-    wants_kv_port,
     with_api_key,
-    with_kv_port,
+    with_kv_endpoint,
 )
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_process import (
@@ -390,12 +390,12 @@ class Supervisor:
 
     def _spawn(self, decided: Plan) -> Engine:
         start, launch = decided.start, decided.launch
-        if wants_kv_port(launch):
-            # The profile leaves the KV-events port to the agent: a free one on loopback
-            # for this engine (persisted with the launch, so a re-adoption finds it).
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                launch = with_kv_port(launch, probe.getsockname()[1])
+        if launch.kv_events_endpoint:
+            # KV events carry the token ids of every cached prompt: published on a Unix
+            # socket of this agent's (vLLM and SGLang bind an ipc:// endpoint; a tcp://
+            # one they bind only as a wildcard, every address of the node), one per
+            # engine, persisted with the launch so a re-adoption finds it.
+            launch = with_kv_endpoint(launch, self._kv_socket(start.shard_id))
             decided = dataclasses.replace(decided, launch=launch)
         # A fresh secret per launch: the engine's port refuses whoever lacks it, so only
         # routers (given it through the control plane) and this agent reach the engine.
@@ -448,6 +448,19 @@ class Supervisor:
                 problem=launch.endpoint_warning,
             )
         return engine
+
+    def _kv_socket(self, shard_id: str) -> str:
+        """``ipc://`` path for one engine's KV events, in a directory only we can enter."""
+        name = record_path(self.state_dir, shard_id).with_suffix(".kv").name
+        where = self.state_dir / "kv"
+        if len(str(where / name)) > 100:  # a Unix socket path holds about 107 bytes
+            digest = hashlib.blake2b(f"{self.state_dir}/{shard_id}".encode(), digest_size=8)
+            where = Path(tempfile.gettempdir()) / f"llmgw-agent-{os.getuid()}"
+            name = digest.hexdigest() + ".kv"
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(where, 0o700)
+        return f"ipc://{where / name}"
 
     def _spawn_task(self, engine: Engine, coro: object) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
