@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from llmgw_router.outlier import OutlierState
 
-__all__ = ["Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
+__all__ = ["Attempt", "Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,19 @@ class EndpointSpec:
     # The engine's secret, sent upstream as Authorization: Bearer (from the control
     # plane); never shown (/v1/endpoints, logs) and never the client's own header.
     api_key: str = field(default="", repr=False)
+
+
+class Attempt:
+    """One request sent to an endpoint, from its send to its end (:meth:`Endpoint.attempt`)."""
+
+    __slots__ = ("awaiting", "miss", "work")
+
+    def __init__(self, miss: int, work: float) -> None:
+        # The prefix blocks it is predicted to prefill, and those ahead of its first token.
+        self.miss = miss
+        self.work = work
+        # No first byte yet.
+        self.awaiting = True
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +159,34 @@ class Endpoint:
     @property
     def block_time(self) -> float:
         return self.learned_block_time
+
+    # ------------------------------------------------------------- one request's course
+    # The endpoint keeps its own figures: the request path only says when an attempt
+    # began, when its first byte came, and when it ended (with the time, on the
+    # router's clock, where the figures keep one).
+
+    def attempt(self, miss: int) -> Attempt:
+        """A request predicted to prefill ``miss`` prefix blocks is sent here now."""
+        self.outstanding += 1
+        self.awaiting_first += 1
+        return Attempt(miss, self.begin_prefill(miss))
+
+    def first_byte(self, attempt: Attempt, seconds: float) -> None:
+        """``attempt``'s first byte came ``seconds`` after it was sent: past the queue and
+        the prefill, the engine is generating for it."""
+        if attempt.awaiting:
+            attempt.awaiting = False
+            self.awaiting_first -= 1
+            self.end_prefill(attempt.miss, attempt.work, seconds)
+
+    def attempt_ended(self, attempt: Attempt, at: float) -> None:
+        """``attempt`` ended at ``at`` (answered, failed or cancelled)."""
+        self.outstanding -= 1
+        if attempt.awaiting:
+            attempt.awaiting = False
+            self.awaiting_first -= 1
+            self.end_prefill(attempt.miss, attempt.work, None)
+        self.finished(at)
 
     def begin_prefill(self, miss: int) -> float:
         """A request predicted to prefill ``miss`` prefix blocks was sent here: the blocks

@@ -32,7 +32,8 @@ from llmgw_router.framing import OpenAIErrorsProtocol
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
 from llmgw_router.protocol import protocol_factory, sweep_idle, sweep_interval
-from llmgw_router.proxy import ProxyApp, RouterState
+from llmgw_router.proxy import ProxyApp
+from llmgw_router.state import RouterState
 from llmgw_router.upstream import Pool
 from llmgw_router.workers import EjectionShare, WorkerContext, reuseport_socket
 
@@ -229,7 +230,7 @@ def _reload_keys(proxy: ProxyApp, config: RouterConfig) -> None:
     except Exception as err:  # ConfigError, OSError: say it, keep serving
         log.error("SIGHUP: API keys not reloaded; the old ones stay", error=str(err))
         return
-    proxy._keys = keys  # the proxy reads its keys per request
+    proxy.set_keys(keys)  # the proxy reads its keys per request
     log.info("SIGHUP: API keys reloaded", keys=len(keys))
 
 

@@ -1,0 +1,140 @@
+"""The composition of the request path: one request through its stages.
+
+    admit → parse → route → choose → exchange (→ relay)
+
+- admit (admit.py): route, method, API key, draining, body size; `/v1/models`;
+- parse (parse.py): `model`, `stream`, `user` (and the raw prompt) from the body;
+- route (route.py): the model's candidate endpoints (held while a scale-to-zero model
+  has none), its deadlines, the headers an engine gets: the :class:`RequestContext`;
+- choose (choose.py): what the balancer keys on, read once; the pick per attempt;
+- exchange (exchange.py): attempts until one gets a first byte, retried as retry.py
+  decides; then
+- relay (relay.py): the response passed on chunk by chunk, usage counted.
+
+Each stage is an object with one concern, built once from the router's state; this
+module only wires them and keeps the request's one exit, where its outcome is counted
+(:meth:`ProxyApp.count`). A new concern (admission control, a two-phase prefill/decode
+exchange, a resumed stream, a new route) is a new or replaced stage here, not a
+branch inside another.
+
+Two servers feed it: the router's own HTTP/1.1 protocol (protocol.py) calls
+:meth:`ProxyApp.serve_request` with a request read whole, and
+:meth:`ProxyApp.admit` on its head first; any ASGI server calls the app itself
+(asgi.py). Both answer through a :class:`Reply`. A client that goes away cancels the
+request, which closes the upstream connection and so ends the engine's work at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from llmgw_router.config import ApiKey
+from llmgw_router.errors import ApiError
+from llmgw_router.proxy.admit import MODELS_PATH, Admission, too_large
+from llmgw_router.proxy.asgi import Receive, Scope, Send, serve_asgi
+from llmgw_router.proxy.choose import Chooser
+from llmgw_router.proxy.context import Headers, Incoming, Outcome, Reply, RequestContext, respond
+from llmgw_router.proxy.exchange import Exchange
+from llmgw_router.proxy.parse import parse_head
+from llmgw_router.proxy.route import Router
+from llmgw_router.state import RouterState, now
+from llmgw_router.upstream import Pool
+
+__all__ = ["ProxyApp"]
+
+log = structlog.get_logger(__name__)
+
+
+class ProxyApp:
+    """The OpenAI routes: :meth:`serve_request` for the router's own server, ASGI otherwise."""
+
+    def __init__(
+        self, state: RouterState, pool: Pool | None = None, api_keys: tuple[ApiKey, ...] = ()
+    ) -> None:
+        self.state = state
+        self.pool = pool
+        self.admission = Admission(state, api_keys)
+        self.router = Router(state)
+        self.chooser = Chooser(state)
+        self._with_prompt = self.chooser.cache_aware
+        self._exchange = Exchange(state, pool, self.chooser)
+        self.holds = self.router.holds
+
+    def set_keys(self, keys: tuple[ApiKey, ...]) -> None:
+        """New API keys (SIGHUP re-read the keys file): the next request is checked on them."""
+        self.admission.keys = keys
+
+    def admit(self, method: str, path: str, headers: Headers) -> ApiKey | None:
+        """Route and key checks on a request's head alone (the router's own server runs
+        them before it reads the body): the caller's key (None: open access), or an
+        ApiError."""
+        return self.admission.admit(method, path, headers)
+
+    async def serve_request(self, request: Incoming) -> None:
+        """One request read whole by the router's own HTTP server, answered to the end."""
+        outcome = Outcome()
+        try:
+            if request.refusal is not None:
+                raise request.refusal
+            api_key = request.api_key
+            admission = self.admission
+            if request.path == MODELS_PATH:
+                await respond(request, 200, admission.models_body(api_key))
+            else:
+                admission.check_draining()
+                if request.too_large:
+                    raise too_large(self.state.config.max_body_bytes, request.declared_length)
+                ctx = await self.context(request.path, request.headers, request.content, api_key)
+                await self.exchange(ctx, request, outcome)
+        except ApiError as err:
+            outcome.error_status = err.status
+            await respond(request, err.status, err.body(), err.headers)
+        except asyncio.CancelledError:
+            # The client went away while the request waited (held, say): nothing to answer.
+            if not request.gone or request.task is None:
+                raise
+            request.task.uncancel()
+        finally:
+            self.count(outcome)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_asgi(self, scope, receive, send)
+
+    async def context(
+        self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None
+    ) -> RequestContext:
+        """parse → route → the balancer's keys: the request's context, or an ApiError."""
+        head = parse_head(body, self._with_prompt)
+        ctx = await self.router.context(path, headers, body, head.model, api_key)
+        await self.chooser.read_keys(ctx, headers, head)
+        return ctx
+
+    async def exchange(self, ctx: RequestContext, reply: Reply, outcome: Outcome) -> None:
+        """choose → exchange → relay, counted in flight; a client gone is no error."""
+        state = self.state
+        state.in_flight += 1
+        outcome.ctx = ctx
+        try:
+            await self._exchange.serve(ctx, reply)
+        except asyncio.CancelledError:
+            if not reply.gone or reply.task is None:
+                raise
+            # The client went away: the upstream request is closed by now; nothing to answer.
+            reply.task.uncancel()
+            state.metrics.child(state.metrics.client_disconnects, ctx.model).inc()
+            log.info("client disconnected", model=ctx.model, after=round(now() - ctx.started, 3))
+        finally:
+            state.in_flight -= 1
+
+    def count(self, outcome: Outcome) -> None:
+        """The one place request metrics are recorded."""
+        metrics = self.state.metrics
+        ctx = outcome.ctx
+        if ctx is not None and ctx.status:
+            metrics.child(metrics.requests, ctx.model, str(ctx.status), ctx.endpoint).inc()
+            metrics.child(metrics.duration, ctx.model).observe(now() - ctx.started)
+        elif outcome.error_status:
+            # Labelled without model and endpoint: the model may be any string a client sent.
+            metrics.child(metrics.requests, "", str(outcome.error_status), "").inc()

@@ -1,0 +1,131 @@
+"""The request path as a plain ASGI app (`server: hypercorn`, and tests over httpx).
+
+The router's own HTTP server (protocol.py) reads the head and the whole body itself
+and calls :meth:`ProxyApp.serve_request`; here the same stages run on ASGI messages:
+the head from the scope, the body read (bounded) from ``receive``, and a task that
+watches ``receive`` for the client's disconnect, which cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from llmgw_router.errors import ApiError
+from llmgw_router.proxy.admit import MODELS_PATH, too_large
+from llmgw_router.proxy.context import Headers, Outcome, respond
+
+if TYPE_CHECKING:
+    from llmgw_router.proxy.app import ProxyApp
+
+__all__ = ["Receive", "Scope", "Send", "serve_asgi"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class _AsgiReply:
+    """A :class:`Reply` as ASGI messages; notes when the last one goes out."""
+
+    __slots__ = ("_send", "finishing", "gone", "task")
+
+    def __init__(self, send: Send, task: asyncio.Task[Any] | None) -> None:
+        self._send = send
+        self.finishing = False
+        self.gone = False
+        self.task = task
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = False) -> None:
+        if not more:
+            self.finishing = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def serve_asgi(app: ProxyApp, scope: Scope, receive: Receive, send: Send) -> None:
+    kind = scope["type"]
+    if kind == "http":
+        outcome = Outcome()
+        reply = _AsgiReply(send, asyncio.current_task())
+        try:
+            await _route(app, scope, receive, reply, outcome)
+        except ApiError as err:
+            outcome.error_status = err.status
+            await respond(reply, err.status, err.body(), err.headers)
+        finally:
+            app.count(outcome)
+    elif kind == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _route(
+    app: ProxyApp, scope: Scope, receive: Receive, reply: _AsgiReply, outcome: Outcome
+) -> None:
+    path = scope["path"]
+    headers: Headers = {}
+    for key, value in scope["headers"]:
+        headers.setdefault(bytes(key), bytes(value))
+    admission = app.admission
+    api_key = admission.admit(scope["method"], path, headers)
+    if path == MODELS_PATH:
+        await respond(reply, 200, admission.models_body(api_key))
+        return
+    admission.check_draining()
+    try:
+        body = await _read_body(app.state.config.max_body_bytes, headers, receive)
+    except _ClientGone:
+        return
+    ctx = await app.context(path, headers, body, api_key)
+    watcher = asyncio.create_task(_watch_client(receive, reply))
+    try:
+        await app.exchange(ctx, reply, outcome)
+    finally:
+        watcher.cancel()
+
+
+async def _read_body(limit: int, headers: Headers, receive: Receive) -> bytes:
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large(limit, int(length))
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        if len(body) > limit:
+            raise too_large(limit, None)
+        return body
+    parts = bytearray(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        parts += message.get("body", b"")
+        if len(parts) > limit:
+            raise too_large(limit, None)
+    return bytes(parts)
+
+
+async def _watch_client(receive: Receive, reply: _AsgiReply) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            # Some servers (hypercorn) also say "disconnect" once the response is
+            # complete; only one that comes before the last byte cancels anything.
+            if not reply.finishing and reply.task is not None:
+                reply.gone = True
+                reply.task.cancel()
+            return

@@ -1,0 +1,178 @@
+"""Stage 5, exchange: attempts at endpoints until one answers, or none is left.
+
+Each attempt sends the body unchanged to the endpoint the chooser picked and waits
+for the response head and its first body chunk within `first_byte`. A failure up to
+there (connect, reset, timeout, 5xx, 429, anything else: never a 500) counts toward
+the endpoint's ejection and goes to another endpoint as retry.py decides (retry
+count, deadline, 429, budget); when none is left the engine's own 5xx/429 answer is
+passed on, else a 502/504 that says why. Once the first byte is in, the relay
+(stage 6) has the response, and no retry follows.
+
+The endpoint's figures (outstanding, awaiting a first byte, prefill work, sent and
+finished) are the endpoint's to keep: an attempt only tells it when it began, when
+its first byte came and when it ended.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from llmgw_router.endpoints import Endpoint
+from llmgw_router.errors import error_body
+from llmgw_router.proxy.choose import Chooser
+from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
+from llmgw_router.proxy.relay import Relay, response_headers
+from llmgw_router.retry import RetryPolicy, Verdict, after_failure
+from llmgw_router.state import RouterState, now
+from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
+
+__all__ = ["Exchange"]
+
+log = structlog.get_logger(__name__)
+
+
+class Exchange:
+    """The retry loop around one request's attempts."""
+
+    __slots__ = ("_policy", "chooser", "pool", "relay", "state")
+
+    def __init__(self, state: RouterState, pool: Pool | None, chooser: Chooser) -> None:
+        self.state = state
+        self.pool = pool
+        self.chooser = chooser
+        self.relay = Relay(state, pool)
+        config = state.config
+        self._policy = RetryPolicy(
+            max_retries=config.retries.max_retries, retry_on_429=config.retries.retry_on_429
+        )
+
+    async def serve(self, ctx: RequestContext, send: Reply) -> None:
+        state = self.state
+        metrics = state.metrics
+        state.budget.on_request(ctx.started)
+        last_failure: UpstreamFailure | None = None
+        while True:
+            ep = self.chooser.pick(ctx)
+            if ep is None:
+                if last_failure is not None and ctx.tried:
+                    await self._give_up(ctx, send, ctx.tried[-1], last_failure)
+                    return
+                raise self.chooser.unavailable(ctx.model, ctx.candidates)
+            ctx.tried.append(ep)
+            try:
+                await self._attempt(ctx, send, ep)
+                return
+            except UpstreamFailure as failure:
+                last_failure = failure
+                if failure.reason == "connect":
+                    ctx.refused.add(ep.id)
+                state.record_failure(ep, failure.reason)
+                log.info(
+                    "upstream attempt failed",
+                    endpoint=ep.id,
+                    model=ctx.model,
+                    reason=failure.reason,
+                    detail=failure.detail,
+                    pick=ctx.pick_reason,
+                )
+            verdict = after_failure(
+                self._policy,
+                retries=ctx.retries,
+                reason=last_failure.reason,
+                now=now(),
+                deadline=ctx.deadline,
+                spend=state.budget.try_spend,
+            )
+            if verdict is not Verdict.RETRY:
+                if verdict is Verdict.BUDGET:
+                    metrics.child(metrics.retries_denied, ctx.model).inc()
+                await self._give_up(ctx, send, ep, last_failure)
+                return
+            ctx.retries += 1
+            metrics.child(metrics.retries, ctx.model).inc()
+
+    @staticmethod
+    async def _give_up(
+        ctx: RequestContext, send: Reply, ep: Endpoint, failure: UpstreamFailure
+    ) -> None:
+        if failure.response is not None:
+            status, headers, payload = failure.response
+            await send.start(status, headers)
+            await send.body(payload)
+        else:
+            status = 504 if failure.reason.startswith("timeout") else 502
+            await respond(
+                send,
+                status,
+                error_body(
+                    f"upstream failed for model `{ctx.model}`: {failure.detail}",
+                    "upstream_error",
+                    None,
+                    failure.reason,
+                ),
+            )
+        ctx.status, ctx.endpoint = status, ep.id
+
+    async def _attempt(self, ctx: RequestContext, send: Reply, ep: Endpoint) -> None:
+        pool = self.pool
+        assert pool is not None
+        deadlines = ctx.deadlines
+        sent_at = now()
+        attempt = ep.attempt(ctx.pick_miss)
+        response: Response | None = None
+        clean = False
+        try:
+            # On the event loop's clock, which the upstream client's timers use.
+            wait = max(0.0, min(deadlines.first_byte, ctx.deadline - sent_at))
+            first_byte_by = pool.loop.time() + wait
+            try:
+                response = await pool.post(
+                    ep.url,
+                    ctx.path,
+                    ctx.body,
+                    ctx.headers,
+                    connect_timeout=deadlines.connect,
+                    deadline=first_byte_by,
+                    api_key=ep.spec.api_key,
+                )
+                status = response.status
+                if status >= 500 or status == 429:
+                    payload = await response.read(first_byte_by)
+                    raise UpstreamFailure(
+                        "status_429" if status == 429 else "status_5xx",
+                        f"{ep.id} answered {status}",
+                        (status, response_headers(response), payload),
+                    )
+                first = await response.read_chunk(first_byte_by)
+                # Past the queue and the prefill: the engine is generating for it.
+                ep.first_byte(attempt, now() - sent_at)
+            except TimeoutError:
+                raise UpstreamFailure(
+                    "timeout_first_byte",
+                    f"{ep.id}: no response within {deadlines.first_byte:g}s",
+                ) from None
+            except ConnectError as err:
+                raise UpstreamFailure("connect", f"{ep.id}: {err}") from None
+            except UpstreamError as err:
+                raise UpstreamFailure("reset", f"{ep.id}: {err}") from None
+            except UpstreamFailure:
+                raise
+            except Exception as err:
+                # Anything else on the way to the engine is its failure, never a 500
+                # (issue 24.7): before a response a connect failure, after one a reset.
+                raise UpstreamFailure(
+                    "connect" if response is None else "reset",
+                    f"{ep.id}: {type(err).__name__}: {err}",
+                ) from None
+            if status < 500:
+                self.state.record_success(ep)
+            clean = await self.relay.relay(ctx, send, ep, response, first)
+        finally:
+            ep.attempt_ended(attempt, now())
+            if response is not None:
+                # An unfinished response must not go back to the pool: closing it is
+                # also what tells the engine to stop generating.
+                if clean:
+                    response.release()
+                else:
+                    response.close()
