@@ -9,9 +9,9 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_proto import v1
+from llmgw_router.control.watch import spec_from_wire
 from llmgw_router.endpoints import EndpointSpec
 from llmgw_router.upstream import Pool
-from llmgw_router.watch import spec_from_wire
 from llmgw_testkit import free_port
 
 

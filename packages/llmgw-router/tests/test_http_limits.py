@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_proto.config import ConfigError, Duration, load
 from llmgw_router.config import HttpConfig, RouterConfig, validate
-from llmgw_router.protocol import head_room, sweep_interval
+from llmgw_router.front.protocol import head_room, sweep_interval
 from llmgw_testkit import free_port, wait_for
 
 Router = Any

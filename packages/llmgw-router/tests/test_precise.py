@@ -11,9 +11,9 @@ from llmgw_proto.config import ConfigError, load
 from llmgw_proto.token_blocks import token_block_hashes
 from llmgw_proto.v1 import EndpointCache
 from llmgw_router.config import RouterConfig, validate
+from llmgw_router.control.watch import apply_cache
 from llmgw_router.endpoints import Endpoint, EndpointSpec
 from llmgw_router.tokens import PromptBlocks, PromptTokenizer
-from llmgw_router.watch import apply_cache
 from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 

@@ -20,13 +20,13 @@ from llmgw_proto.tls import TlsConfig
 from llmgw_proto.v1 import Endpoint as WireEndpoint
 from llmgw_proto.v1 import EndpointSnapshot
 from llmgw_router.config import ControlConfig, HealthCheckConfig, RouterConfig
+from llmgw_router.control.watch import EndpointWatcher, url_problem
 from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
 from llmgw_router.proxy import ProxyApp
 from llmgw_router.state import RouterState
 from llmgw_router.upstream import ConnectError, Pool
-from llmgw_router.watch import EndpointWatcher, url_problem
 from llmgw_testkit import free_port
 
 BAD_URLS = [

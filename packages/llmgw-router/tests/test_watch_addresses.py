@@ -11,10 +11,10 @@ from llmgw_proto.addr import HostPort
 from llmgw_proto.config import ConfigError, load
 from llmgw_proto.tls import TlsConfig
 from llmgw_router.config import ControlConfig, RouterConfig, validate
+from llmgw_router.control.watch import EndpointWatcher, _leader_from
 from llmgw_router.endpoints import EndpointSet
 from llmgw_router.metrics import Metrics
 from llmgw_router.state import RouterState
-from llmgw_router.watch import EndpointWatcher, _leader_from
 
 
 def watcher(**control: object) -> EndpointWatcher:

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_router.config import RouterConfig
-from llmgw_router.workers import MetricsMerger, worker_count
+from llmgw_router.workers.merge import MetricsMerger
+from llmgw_router.workers.worker import worker_count
 from llmgw_testkit import free_port, port_open, wait_for
 from llmgw_testkit.checks import metric
 

@@ -50,7 +50,7 @@ def admin_app(state: RouterState) -> Starlette:
                 metrics.engine_waiting.labels(ep.id).set(engine.waiting)
                 metrics.engine_kv_cache_usage.labels(ep.id).set(engine.kv_cache_usage)
             source = "engine" if engine is not None else "router"
-            metrics.endpoint_load.labels(ep.id, source).set(ep.load)
+            metrics.endpoint_load.labels(ep.id, source).set(ep.load_at(now))
         for model, held in state.held.items():
             metrics.held.labels(model).set(held)
 
@@ -142,7 +142,7 @@ def admin_app(state: RouterState) -> Starlette:
                         "engine": engine_view(ep, now),
                         "sent_since_report": ep.sent_since_report,
                         "finished_since_report": ep.finished_since_report,
-                        "load": round(ep.load, 4),
+                        "load": round(ep.load_at(now), 4),
                         "load_source": "engine" if ep.fresh_engine(now) else "router",
                         "generation": ep.generation,
                         "cached_blocks": ep.cached_blocks,

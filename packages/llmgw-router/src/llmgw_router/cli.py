@@ -92,7 +92,7 @@ def serve(
             message = f"--admin-listen: {err.message}"
         fail(message)
     if cfg.control is not None:
-        from llmgw_router.watch import control_ssl
+        from llmgw_router.control.watch import control_ssl
 
         try:
             control_ssl(cfg.control, insecure)
@@ -118,7 +118,7 @@ def serve(
         )
         for e in cfg.endpoints
     )
-    from llmgw_router.workers import run_router
+    from llmgw_router.workers.supervisor import run_router
 
     params = click.get_current_context().params
     run_router(

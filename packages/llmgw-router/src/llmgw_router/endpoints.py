@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from llmgw_router.outlier import OutlierState
 
-__all__ = ["Attempt", "Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
+# Token blocks kept per endpoint at most (the control plane relays up to 200,000).
+MAX_TOKEN_BLOCKS = 1_000_000
+
+__all__ = ["MAX_TOKEN_BLOCKS", "Attempt", "Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +150,15 @@ class Endpoint:
 
     @property
     def pending(self) -> float:
+        """:meth:`pending_at` now (for readers not yet given the clock)."""
+        return self.pending_at(time.monotonic())
+
+    def pending_at(self, now: float) -> float:
         """Prefix blocks queued for prefill ahead of a new request here: this router's
         (predicted), plus, where the engine reports more requests waiting than this router
         has awaiting a first byte there, those others at this router's typical miss."""
         pending = self.pending_blocks
-        engine = self.fresh_engine(time.monotonic())
+        engine = self.fresh_engine(now)
         if engine is not None and engine.waiting > self.awaiting_first:
             pending += (engine.waiting - self.awaiting_first) * self.typical_miss
         return pending
@@ -214,6 +221,10 @@ class Endpoint:
 
     @property
     def load(self) -> float:
+        """:meth:`load_at` now (for readers not yet given the clock)."""
+        return self.load_at(time.monotonic())
+
+    def load_at(self, now: float) -> float:
         """What the load-aware balancer weighs.
 
         The engine's running and waiting requests when its figures were read, plus the
@@ -222,7 +233,7 @@ class Endpoint:
         count, which is a floor of the truth. This router's own in-flight count alone
         when the engine's figures are unknown or stale. Other routers' sends and
         completions since the reading are not known here: they come with the next one."""
-        engine = self.fresh_engine(time.monotonic())
+        engine = self.fresh_engine(now)
         if engine is None:
             return float(self.outstanding)
         since = self.sent_since_report - self.finished_since_report
@@ -273,6 +284,38 @@ class Endpoint:
             self._drop(events.popleft())
         if load.generation > self.engine_generation:
             self.engine_generation = load.generation
+
+    def cache_changed(
+        self,
+        *,
+        cleared: bool,
+        generation: int,
+        stored: Sequence[int],
+        removed: Sequence[int],
+        by_token_ids: bool,
+        block_size: int,
+    ) -> None:
+        """The engine's cache changed: its block count, and its blocks when named by token ids.
+
+        A clear starts a view (empty: the agent's first word on a new engine is a clear
+        with nothing in it yet); blocks stored under the engine's own hashes end it (None:
+        the engine's events carry no token ids, nothing to match a prompt against)."""
+        if cleared or (generation and generation != self.generation):
+            self.cached_blocks = 0
+            self.token_blocks = set()
+        self.cached_blocks = max(0, self.cached_blocks + len(stored) - len(removed))
+        if stored and not by_token_ids:
+            self.token_blocks = None
+            return
+        blocks = self.token_blocks
+        if blocks is None:
+            return
+        if block_size:
+            self.token_block_size = block_size
+        blocks.difference_update(removed)
+        blocks.update(stored)
+        if len(blocks) > MAX_TOKEN_BLOCKS:
+            self.token_blocks = None
 
     def usable(self, now: float) -> bool:
         return self.healthy and not self.removed and self.outlier.ejected_until <= now

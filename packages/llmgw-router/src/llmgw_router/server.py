@@ -5,7 +5,7 @@ proxy server stops accepting and gives in-flight requests `shutdown_grace`
 seconds; the admin server, watcher and health checks stop last. SIGHUP reads the
 API keys file again (a bad file keeps the keys in use and says why).
 
-As one of several workers (see workers.py) the same router listens on its own
+As one of several workers (see the workers package) the same router listens on its own
 SO_REUSEPORT socket, serves its admin app on a Unix socket for the supervisor, and
 shares ejections with its peers.
 """
@@ -28,14 +28,14 @@ from llmgw_proto.addr import parse_hostport
 from llmgw_router.admin import admin_app
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys
 from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
-from llmgw_router.framing import OpenAIErrorsProtocol
+from llmgw_router.front.framing import OpenAIErrorsProtocol
+from llmgw_router.front.protocol import protocol_factory, sweep_idle, sweep_interval
 from llmgw_router.health import HealthChecker
 from llmgw_router.metrics import Metrics
-from llmgw_router.protocol import protocol_factory, sweep_idle, sweep_interval
 from llmgw_router.proxy import ProxyApp
 from llmgw_router.state import RouterState
 from llmgw_router.upstream import Pool
-from llmgw_router.workers import EjectionShare, WorkerContext, reuseport_socket
+from llmgw_router.workers.worker import EjectionShare, WorkerContext, reuseport_socket
 
 __all__ = ["run", "serve"]
 
@@ -108,7 +108,7 @@ async def serve(
     if config.control is not None:
         # Imported here: grpclib and the generated messages cost a router with static
         # endpoints nearly half a second of start-up.
-        from llmgw_router.watch import EndpointWatcher
+        from llmgw_router.control.watch import EndpointWatcher
 
         watcher = EndpointWatcher(
             state,

@@ -10,21 +10,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
-from llmgw_router.proxy.admit import MODELS_PATH, too_large
-from llmgw_router.proxy.context import Headers, Outcome, respond
+from llmgw_router.proxy.admit import MODELS_PATH, Admission, too_large
+from llmgw_router.proxy.context import Headers, Outcome, Reply, RequestContext, respond
+from llmgw_router.state import RouterState
 
-if TYPE_CHECKING:
-    from llmgw_router.proxy.app import ProxyApp
-
-__all__ = ["Receive", "Scope", "Send", "serve_asgi"]
+__all__ = ["Receive", "Scope", "Send", "Stages", "serve_asgi"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+class Stages(Protocol):
+    """What the ASGI adapter runs (app.py's ProxyApp)."""
+
+    state: RouterState
+    admission: Admission
+
+    async def context(
+        self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None
+    ) -> RequestContext: ...
+
+    async def exchange(self, ctx: RequestContext, reply: Reply, outcome: Outcome) -> None: ...
+
+    def count(self, outcome: Outcome) -> None: ...
 
 
 class _AsgiReply:
@@ -51,7 +65,7 @@ class _ClientGone(Exception):
     pass
 
 
-async def serve_asgi(app: ProxyApp, scope: Scope, receive: Receive, send: Send) -> None:
+async def serve_asgi(app: Stages, scope: Scope, receive: Receive, send: Send) -> None:
     kind = scope["type"]
     if kind == "http":
         outcome = Outcome()
@@ -74,7 +88,7 @@ async def serve_asgi(app: ProxyApp, scope: Scope, receive: Receive, send: Send) 
 
 
 async def _route(
-    app: ProxyApp, scope: Scope, receive: Receive, reply: _AsgiReply, outcome: Outcome
+    app: Stages, scope: Scope, receive: Receive, reply: _AsgiReply, outcome: Outcome
 ) -> None:
     path = scope["path"]
     headers: Headers = {}

@@ -403,12 +403,12 @@ class EndpointWatcher:
             ((load.endpoint_id, load_from_wire(load, received)) for load in update.loads),
             update.full,
         )
-        by_id = self.state.endpoints.by_id
-        for cache in update.caches:
-            ep = by_id.get(cache.endpoint_id)
-            if ep is None:
-                continue
-            apply_cache(ep, cache)
+        if update.caches:
+            by_id = self.state.endpoints.by_id
+            for cache in update.caches:
+                ep = by_id.get(cache.endpoint_id)
+                if ep is not None:
+                    apply_cache(ep, cache)
 
     async def _demand_loop(self, channel: Channel) -> None:
         """While requests are held, say so: at once, then every `hold.demand_interval`."""
@@ -485,29 +485,13 @@ class EndpointWatcher:
             await asyncio.sleep(delay)
 
 
-# Token blocks kept per endpoint at most (the control plane relays up to 200,000).
-MAX_TOKEN_BLOCKS = 1_000_000
-
-
 def apply_cache(ep: Endpoint, cache: EndpointCache) -> None:
-    """One engine's cache change: its block count, and its blocks when named by token ids.
-
-    A clear starts a view (empty: the agent's first word on a new engine is a clear with
-    nothing in it yet); blocks stored under the engine's own hashes end it (None: the
-    engine's events carry no token ids, nothing to match a prompt against)."""
-    if cache.cleared or (cache.generation and cache.generation != ep.generation):
-        ep.cached_blocks = 0
-        ep.token_blocks = set()
-    ep.cached_blocks = max(0, ep.cached_blocks + len(cache.stored) - len(cache.removed))
-    if cache.stored and not cache.token_hashes:
-        ep.token_blocks = None
-        return
-    blocks = ep.token_blocks
-    if blocks is None:
-        return
-    if cache.block_size:
-        ep.token_block_size = cache.block_size
-    blocks.difference_update(cache.removed)
-    blocks.update(cache.stored)
-    if len(blocks) > MAX_TOKEN_BLOCKS:
-        ep.token_blocks = None
+    """One engine's cache change from the wire, told to the endpoint that keeps it."""
+    ep.cache_changed(
+        cleared=cache.cleared,
+        generation=cache.generation,
+        stored=cache.stored,
+        removed=cache.removed,
+        by_token_ids=cache.token_hashes,
+        block_size=cache.block_size,
+    )

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
@@ -58,31 +57,16 @@ from urllib.parse import unquote
 import httptools
 import structlog
 
-from llmgw_router.errors import ApiError, error_body
-from llmgw_router.framing import framing_error_response
+from llmgw_router.errors import ApiError
+from llmgw_router.front.framing import framing_error_response
+from llmgw_router.front.reply import CONTINUE, HttpRequest, error_response, internal_error
 
 if TYPE_CHECKING:
-    from llmgw_router.config import ApiKey
     from llmgw_router.proxy import ProxyApp
 
 __all__ = ["ProxyProtocol", "head_room", "protocol_factory", "sweep_idle", "sweep_interval"]
 
 log = structlog.get_logger(__name__)
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_CLOSE = b"connection: close\r\n"
-_CHUNKED = b"transfer-encoding: chunked\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
 
 # After an answer that closes the connection, what the client still sends is dropped
 # up to this many bytes, for at most this many seconds (see the module docstring).
@@ -106,155 +90,8 @@ def sweep_interval(keep_alive: float, head_timeout: float, body_timeout: float) 
     return max(0.05, min(5.0, keep_alive / 4, head_timeout / 4, body_timeout / 4))
 
 
-def _error_response(status: int, message: str, code: str, extra: bytes = b"") -> bytes:
-    """A whole HTTP/1.1 answer in OpenAI shape that ends the connection."""
-    body = error_body(message, "invalid_request_error", None, code)
-    return (
-        _STATUS_LINES[status]
-        + b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
-        + extra
-        + _CLOSE
-        + b"\r\n"
-        + body
-    )
-
-
 class _HeadTooLarge(Exception):
     """Raised from a parser callback: the head went past ``max_head_bytes``."""
-
-
-class _Request:
-    """One request as parsed, and the :class:`Reply` its answer is written through."""
-
-    __slots__ = (
-        "api_key",
-        "chunked",
-        "close_after",
-        "conn",
-        "content",
-        "declared_length",
-        "dropping",
-        "gone",
-        "head",
-        "head_size",
-        "headers",
-        "keep_alive",
-        "method",
-        "parts",
-        "path",
-        "received",
-        "refusal",
-        "remaining",
-        "responded",
-        "size",
-        "started",
-        "status",
-        "task",
-        "too_large",
-        "url_parts",
-    )
-
-    def __init__(self, conn: ProxyProtocol) -> None:
-        self.conn = conn
-        self.url_parts: list[bytes] = []
-        # Bytes of request line and headers the parser handed over.
-        self.head_size = 0
-        self.method = ""
-        self.path = ""
-        self.headers: dict[bytes, bytes] = {}
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.content = b""
-        self.too_large = False
-        # Answered on its head (refused or too large): the body is dropped as it comes.
-        self.dropping = False
-        self.api_key: ApiKey | None = None
-        self.refusal: ApiError | None = None
-        self.declared_length: int | None = None
-        self.keep_alive = True
-        self.received = False
-        self.started = False
-        self.responded = False
-        self.gone = False
-        self.task: asyncio.Task[Any] | None = None
-        self.status = 0
-        self.head: list[tuple[bytes, bytes]] = []
-        self.chunked = False
-        self.close_after = False
-        # Body bytes still owed under the response's own content-length (-1: none given).
-        self.remaining = -1
-
-    # -- Reply
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.status = status
-        self.head = headers
-
-    async def body(self, data: bytes, more: bool = False) -> None:
-        if self.responded:
-            return
-        conn = self.conn
-        transport = conn.transport
-        if conn.lost or transport is None:
-            if not more:
-                self.responded = True
-            return
-        bodiless = self.method == "HEAD" or self.status in (204, 304)
-        if not self.started:
-            self.started = True
-            out = self._head_bytes(more, len(data), bodiless)
-            if data and not bodiless:
-                out += b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
-        elif bodiless:
-            out = b""
-        elif self.chunked:
-            out = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
-        else:
-            out = data
-        if self.remaining >= 0 and not bodiless:
-            self.remaining -= len(data)
-        if not more and not bodiless:
-            if self.chunked:
-                out += _LAST_CHUNK
-            elif self.remaining > 0:
-                # Shorter than the content-length it announced: the client can only
-                # tell from the connection's end.
-                self.close_after = True
-        if out:
-            transport.write(out)
-        if not more:
-            self.responded = True
-            conn.response_done(self)
-        elif conn.write_paused:
-            await conn.drain()
-
-    def _head_bytes(self, more: bool, length: int, bodiless: bool) -> bytes:
-        status = self.status
-        line = _STATUS_LINES.get(status) or _status_line(status)
-        out = [line]
-        close = not self.keep_alive or self.conn.draining
-        framed = said_close = False
-        for name, value in self.head:
-            if name == b"content-length":
-                framed = True
-                if value.isdigit():
-                    self.remaining = int(value)
-            elif name == b"connection":
-                if value.lower() != b"close":
-                    continue
-                close = said_close = True
-            out += (name, b": ", value, b"\r\n")
-        if not framed and not bodiless:
-            if more:
-                self.chunked = True
-                out.append(_CHUNKED)
-            else:
-                out.append(b"content-length: %d\r\n" % length)
-        if close and not said_close:
-            out.append(_CLOSE)
-        self.close_after = close or self.close_after
-        out.append(b"\r\n")
-        return b"".join(out)
 
 
 class ProxyProtocol(asyncio.Protocol):
@@ -287,9 +124,9 @@ class ProxyProtocol(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self.reading_paused = False
         # The request being parsed, the one being answered, and complete ones waiting.
-        self.parsing: _Request | None = None
-        self.active: _Request | None = None
-        self.queue: collections.deque[_Request] = collections.deque()
+        self.parsing: HttpRequest | None = None
+        self.active: HttpRequest | None = None
+        self.queue: collections.deque[HttpRequest] = collections.deque()
         self.idle_since = loop.time()
         # Between requests or inside a head: bytes of it fed to the parser so far, and
         # whether its request line ended among them.
@@ -385,7 +222,7 @@ class ProxyProtocol(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
-        self.parsing = _Request(self)
+        self.parsing = HttpRequest(self)
 
     def on_url(self, url: bytes) -> None:
         request = self.parsing
@@ -458,7 +295,7 @@ class ProxyProtocol(asyncio.Protocol):
             and self.active is None
             and self.transport is not None
         ):
-            self.transport.write(_CONTINUE)
+            self.transport.write(CONTINUE)
         if request.dropping:
             # Answered now; what follows of the body is dropped (or, when the answer
             # closes the connection, dropped up to a bound while it closes).
@@ -497,7 +334,7 @@ class ProxyProtocol(asyncio.Protocol):
 
     # -- serving
 
-    def _enqueue(self, request: _Request) -> None:
+    def _enqueue(self, request: HttpRequest) -> None:
         if self.active is None and not self.queue:
             self._start(request)
         else:
@@ -507,13 +344,13 @@ class ProxyProtocol(asyncio.Protocol):
                 self.reading_paused = True
                 self.transport.pause_reading()
 
-    def _start(self, request: _Request) -> None:
+    def _start(self, request: HttpRequest) -> None:
         self.active = request
         task = self.loop.create_task(self._serve(request))
         request.task = task
         self.tasks.add(task)
 
-    async def _serve(self, request: _Request) -> None:
+    async def _serve(self, request: HttpRequest) -> None:
         try:
             await self.app.serve_request(request)
         except asyncio.CancelledError:
@@ -521,7 +358,7 @@ class ProxyProtocol(asyncio.Protocol):
         except Exception:
             log.exception("request failed", path=request.path)
             if not request.started:
-                await _internal_error(request)
+                await internal_error(request)
         finally:
             task = request.task
             if task is not None:
@@ -532,7 +369,7 @@ class ProxyProtocol(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.close()
 
-    def response_done(self, request: _Request) -> None:
+    def response_done(self, request: HttpRequest) -> None:
         """The last byte of ``request``'s answer is written."""
         if request.close_after or self.transport is None:
             if self.transport is not None:
@@ -579,7 +416,7 @@ class ProxyProtocol(asyncio.Protocol):
         else:
             status, what, code = 414, "request line (URL) is", "uri_too_long"
         transport.write(
-            _error_response(
+            error_response(
                 status,
                 f"the {what} over the limit of {self.max_head} bytes of request head"
                 " (http.max_head_bytes)",
@@ -625,7 +462,7 @@ class ProxyProtocol(asyncio.Protocol):
             what, setting = ("head", "head_timeout") if kind == _HEAD else ("body", "body_timeout")
             limit = self.head_timeout if kind == _HEAD else self.body_timeout
             transport.write(
-                _error_response(
+                error_response(
                     408,
                     f"the request {what} did not arrive within {limit:g} s (http.{setting})",
                     "request_timeout",
@@ -674,17 +511,6 @@ class ProxyProtocol(asyncio.Protocol):
             and now - self.idle_since > keep_alive
         ):
             self.transport.close()
-
-
-async def _internal_error(request: _Request) -> None:
-    body = error_body(
-        "the router failed on this request; see its log", "server_error", None, "internal_error"
-    )
-    await request.start(
-        500, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    )
-    request.close_after = True
-    await request.body(body)
 
 
 def protocol_factory(app: ProxyApp) -> Callable[..., ProxyProtocol]:

@@ -1,0 +1,74 @@
+"""An endpoint keeps its own figures (issue 25 point 3): the request path only tells it
+when an attempt began, when its first byte came and when it ended; the clock is passed
+in. Pure, no I/O."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+from llmgw_router.endpoints import Attempt, Endpoint, EndpointSpec, EngineLoad
+
+
+def make() -> Endpoint:
+    return Endpoint(spec=EndpointSpec(id="e1", url="http://127.0.0.1:1", models=("m",)))
+
+
+def test_an_attempt_is_outstanding_and_awaiting_until_its_first_byte() -> None:
+    ep = make()
+    attempt = ep.attempt(10)
+    assert (ep.outstanding, ep.awaiting_first, ep.pending_blocks) == (1, 1, 10.0)
+    ep.first_byte(attempt, 0.5)
+    assert (ep.outstanding, ep.awaiting_first, ep.pending_blocks) == (1, 0, 0.0)
+    # 10 blocks in 0.5 s: the first measurement is taken as it is.
+    assert ep.learned_block_time == 0.05
+    ep.attempt_ended(attempt, 1.0)
+    assert (ep.outstanding, ep.awaiting_first) == (0, 0)
+
+
+def test_an_attempt_that_fails_before_its_first_byte_teaches_no_block_time() -> None:
+    ep = make()
+    attempt = ep.attempt(10)
+    ep.attempt_ended(attempt, 1.0)
+    assert (ep.outstanding, ep.awaiting_first, ep.pending_blocks) == (0, 0, 0.0)
+    assert ep.learned_block_time == 0.0
+
+
+def test_the_load_is_read_on_the_clock_it_is_given() -> None:
+    ep = make()
+    ep.report(EngineLoad(running=3, waiting=1, measured_at=100.0))
+    assert ep.load_at(100.5) == 4.0
+    # Past load_reports.max_age (2 s by default) the figures are stale: own count only.
+    ep.attempt(0)
+    assert ep.load_at(103.0) == 1.0
+    assert ep.pending_at(103.0) == 0.0
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.booleans(), st.floats(0.0, 5.0)), max_size=40),
+    st.randoms(use_true_random=False),
+)
+def test_every_attempt_that_ends_leaves_no_figure_behind(
+    attempts: list[tuple[int, bool, float]], rnd: random.Random
+) -> None:
+    """Whatever the order in which attempts begin, answer and end, once all have ended
+    nothing is outstanding, awaiting or pending, and the counts never go negative."""
+    ep = make()
+    ep.report(EngineLoad(measured_at=0.0))
+    live: list[tuple[Attempt, bool, float]] = []
+    for miss, answered, seconds in attempts:
+        live.append((ep.attempt(miss), answered, seconds))
+    assert ep.outstanding == ep.awaiting_first == len(attempts)
+    rnd.shuffle(live)
+    for at, (attempt, answered, seconds) in enumerate(live):
+        if answered:
+            ep.first_byte(attempt, seconds)
+            # Told twice (a retry path that asks again): counted once.
+            ep.first_byte(attempt, seconds)
+        ep.attempt_ended(attempt, float(at))
+        assert min(ep.outstanding, ep.awaiting_first) >= 0
+        assert ep.pending_blocks >= 0
+    assert (ep.outstanding, ep.awaiting_first) == (0, 0)
+    assert ep.pending_blocks < 1e-6
+    assert ep.finished_since_report == len(attempts)
