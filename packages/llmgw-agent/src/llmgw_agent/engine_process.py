@@ -74,6 +74,32 @@ class Engine:
         self.record.state = self.state.name
         self.record.save(self.path)
 
+    def transition(self, state: v1.ShardState, reason: str, *, tail_lines: int) -> v1.ShardStatus:
+        """Move to ``state``: the ShardStatus that tells it (a FAILED one with the output's
+        last ``tail_lines``; a READY one with the endpoint and its key)."""
+        self.state = state
+        launch = self.record.launch
+        if state == S.READY and launch.endpoint_warning:
+            reason = f"{reason}; WARNING: {launch.endpoint_warning}"
+        status = v1.ShardStatus(
+            shard_id=self.shard_id,
+            replica_id=self.start.replica_id,
+            state=state,
+            reason=reason,
+            endpoint_url=launch.endpoint_url if state == S.READY else "",
+            time=now(),
+            pid=self.pid,
+            port=self.start.port,
+            gpu_indices=list(self.start.gpu_indices),
+            api_key=launch.api_key if state == S.READY else "",
+        )
+        if state in (S.FAILED, S.STOPPED):
+            status.exit_code = self.exit_code
+            status.signal = self.exit_signal
+        if state == S.FAILED:
+            status.output_tail = self.output.tail(tail_lines)
+        return status
+
 
 def exit_text(engine: Engine) -> str:
     if engine.exit_signal is not None:

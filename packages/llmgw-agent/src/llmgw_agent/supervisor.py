@@ -489,28 +489,8 @@ class Supervisor:
         )
 
     def _emit(self, engine: Engine, state: v1.ShardState, *, reason: str = "") -> None:
-        engine.state = state
-        launch = engine.record.launch
-        if state == S.READY and launch.endpoint_warning:
-            reason = f"{reason}; WARNING: {launch.endpoint_warning}"
-        status = v1.ShardStatus(
-            shard_id=engine.shard_id,
-            replica_id=engine.start.replica_id,
-            state=state,
-            reason=reason,
-            endpoint_url=launch.endpoint_url if state == S.READY else "",
-            time=now(),
-            pid=engine.pid,
-            port=engine.start.port,
-            gpu_indices=list(engine.start.gpu_indices),
-            api_key=launch.api_key if state == S.READY else "",
-        )
-        if state in (S.FAILED, S.STOPPED):
-            status.exit_code = engine.exit_code
-            status.signal = engine.exit_signal
-        if state == S.FAILED:
-            status.output_tail = engine.output.tail(self.config.output_tail_lines)
-        log.info("shard transition", shard=engine.shard_id, state=state.name, reason=reason)
+        status = engine.transition(state, reason, tail_lines=self.config.output_tail_lines)
+        log.info("shard transition", shard=engine.shard_id, state=state.name, reason=status.reason)
         self.sink(status)
 
     async def _run(self, engine: Engine) -> None:
