@@ -209,3 +209,64 @@ async def test_ending_streams_on_step_down_logs_one_line_and_no_traceback(
         channel.close()
         server.close()
         await server.wait_closed()
+
+
+class WriteAfterLoss:
+    """A server-streaming call whose write fails because its connection is gone: a leader
+    resumed after a freeze writes to a TLS transport asyncio has already dropped (seen in
+    the SIGSTOP test: AttributeError '_write_appdata' from the load watch's send)."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.failed = asyncio.Event()
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            "/test.Lost/Watch": grpclib.const.Handler(
+                self.watch,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                v1.WatchRequest,
+                v1.EndpointSnapshot,
+            )
+        }
+
+    async def watch(self, stream: Any) -> None:
+        await stream.recv_message()
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.failed.set()
+            raise AttributeError("'NoneType' object has no attribute '_write_appdata'") from None
+
+
+async def test_a_write_to_a_lost_connection_is_grpclibs_cancellation_not_an_error() -> None:
+    service = WriteAfterLoss()
+    gate = LeaderGate([service], lambda: True, lambda: "")
+    server = grpclib.server.Server([gate])
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    channel = grpclib.client.Channel("127.0.0.1", port)
+    grpclib_logs = Records()
+    grpclib_logger = logging.getLogger("grpclib")
+    grpclib_logger.addHandler(grpclib_logs)
+    try:
+        async with channel.request(
+            "/test.Lost/Watch",
+            grpclib.const.Cardinality.STREAM_STREAM,
+            v1.WatchRequest,
+            v1.EndpointSnapshot,
+        ) as stream:
+            await stream.send_message(v1.WatchRequest(router_id="r"))
+            await asyncio.wait_for(service.started.wait(), 30)
+            await stream.cancel()  # the peer is gone
+        await asyncio.wait_for(service.failed.wait(), 30)
+        await wait_for_async(_async(lambda: not gate._calls), what="the call ended")
+        await wait_for_async(_async(lambda: _handlers_done(server)), what="handlers done")
+        errors = [r for r in grpclib_logs.records if r.levelno >= logging.ERROR]
+        assert errors == [], [(r.getMessage(), r.exc_info) for r in errors]
+    finally:
+        grpclib_logger.removeHandler(grpclib_logs)
+        channel.close()
+        server.close()
+        await server.wait_closed()

@@ -88,6 +88,14 @@ class LeaderGate:
                         await self.refuse(stream)
                 if _terminated(stream):
                     raise
+            except Exception:
+                # The peer ended the stream (a lost connection: a leader resumed after a
+                # freeze writes to a transport that is gone) while the handler wrote to it:
+                # the write's error is that loss, which grpclib is already handling; it
+                # must see its own cancellation or it logs "Failed to handle cancellation".
+                if _terminated(stream):
+                    raise asyncio.CancelledError from None
+                raise
             finally:
                 self._calls.discard(task)
                 self._ending.pop(task, None)
