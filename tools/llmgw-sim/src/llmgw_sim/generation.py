@@ -41,7 +41,7 @@ class GenerationRoutes(Handlers):
         if tokenizer is not None:
             ids = tokenizer.chat(body.get("messages"))
             if ids:
-                gen = dataclasses.replace(gen, prompt_ids=ids)
+                gen = dataclasses.replace(gen, prompt_ids=list(ids))
         return gen
 
     def _parse_completion(self, body: dict[str, Any]) -> Generation:
@@ -50,7 +50,7 @@ class GenerationRoutes(Handlers):
         if tokenizer is not None and gen.prompt_ids is None:
             ids = tokenizer.completion(gen.prompt_text)
             if ids:
-                gen = dataclasses.replace(gen, prompt_ids=ids)
+                gen = dataclasses.replace(gen, prompt_ids=list(ids))
         return gen
 
     async def _generate(
