@@ -397,13 +397,6 @@ class CacheAware(Balancer[L]):
         self._turn = 0
         self._recent: deque[int] = deque()
         self._recent_counts: dict[int, int] = {}
-        # Capacity-aware homes: the prefixes (by rendezvous block) picked within the last
-        # `window` picks, with their size in blocks and last pick; and their homes as
-        # last computed, for that set of prefixes and those endpoints and caches.
-        self._live_keys: dict[int, list[int]] = {}
-        self._live_version = 0
-        self._homes: dict[int, str] = {}
-        self._homes_for: tuple[object, ...] = ()
         # Picks where the engines' reported caches named the holders (precise matching).
         self.engine_cache_picks = 0
 
@@ -595,7 +588,6 @@ class CacheAware(Balancer[L]):
         block = prefix[depth - 1]
         self._turn += 1
         order = self._rendezvous(ready, block)
-        self._touch(block, size)
         # Precise: where the engines report their caches and one holds more of this
         # prompt than the others, that is what holds it; else what this router sent.
         engine: list[int] | None = None
@@ -635,8 +627,6 @@ class CacheAware(Balancer[L]):
                     rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
                     ranking, reason = rest, "distinct"
                 else:
-                    home = self.home(ready, order, block)
-                    rest = [home, *(i for i in rest if i != home)]
                     room = self._room(ready)
                     fits = [i for i in rest if (free := room[i]) is None or free >= miss[i]]
                     if fits and fits[0] != rest[0]:
@@ -646,7 +636,7 @@ class CacheAware(Balancer[L]):
                     new = True
             elif (
                 engine is None
-                and not match[home := self.home(ready, order, block)]
+                and not match[home := order[0]]
                 and per_load[home] <= per_load[holders[0]]
                 and ((free := (room := self._room(ready))[home]) is None or free >= miss[home])
             ):
@@ -712,46 +702,6 @@ class CacheAware(Balancer[L]):
             return within[0], "bound_spill", miss[within[0]]
         at = min(ranking, key=per_load.__getitem__)
         return at, "bound_least_loaded", miss[at]
-
-    def _touch(self, key: int, size: int) -> None:
-        entry = self._live_keys.get(key)
-        if entry is None:
-            self._live_keys[key] = [size, self._turn]
-            self._live_version += 1
-        else:
-            entry[1] = self._turn
-
-    def home(self, ready: Sequence[L], order: Sequence[int], key: int) -> int:
-        """A prefix's home where every candidate's cache size is known: the live prefixes
-        (picked within the last ``window`` picks), taken in an order of their hashes that
-        every router shares, each go to the first of their rendezvous choices with room
-        left for them (their first choice where none has). The same live prefixes and
-        endpoints give every router the same homes, whatever order it saw them in."""
-        caps = [c.cache_blocks for c in ready]
-        if min(caps) <= 0:
-            return order[0]
-        live = self._live_keys
-        cutoff = self._turn - self.window
-        stale = [k for k, (_, tick) in live.items() if tick <= cutoff]
-        for k in stale:
-            del live[k]
-        if stale:
-            self._live_version += 1
-        ids = tuple(c.id for c in ready)
-        stamp = (self._live_version, ids, tuple(caps))
-        if stamp != self._homes_for:
-            self._homes_for = stamp
-            homes: dict[int, str] = {}
-            used = [0] * len(ready)
-            for k in sorted(live, key=_mix):
-                need = live[k][0]
-                choices = self._rendezvous(ready, k)
-                at = next((i for i in choices if used[i] + need <= caps[i]), choices[0])
-                used[at] += need
-                homes[k] = ids[at]
-            self._homes = homes
-        home = self._homes.get(key)
-        return ids.index(home) if home is not None else order[0]
 
     def _room(self, ready: Sequence[L]) -> list[int | None]:
         """Per candidate, the blocks its cache has left beside its live prefixes (None:
