@@ -8,7 +8,10 @@ from pathlib import Path
 
 import httpx
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llmgw_agent.kv_events import CacheView, decode_events
+from llmgw_sim.kvevents import binds
 from llmgw_sim.testing import Sim, engine_argv, run_to_exit, start
 from llmgw_testkit import free_port, wait_for
 
@@ -95,3 +98,60 @@ def test_taken_event_port_fails_start_up_like_zmq(tmp_path: Path) -> None:
         )
     assert proc.returncode == 1
     assert f"zmq.error.ZMQError: Address already in use (addr='tcp://*:{port}')" in proc.output
+
+
+def test_a_specific_address_is_connected_to_not_bound(tmp_path: Path) -> None:
+    """vLLM binds only a wildcard or ipc:// endpoint and connects to any other address: a
+    subscriber bound at tcp://127.0.0.1:PORT gets the events (binding there too would fail
+    start-up with 'Address already in use')."""
+    port = free_port()
+    config = json.loads(_config(port))
+    config["endpoint"] = f"tcp://127.0.0.1:{port}"
+    args = ["--sim-scheduler", "step", "--kv-events-config", json.dumps(config)]
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with start(tmp_path, "vllm", args) as sim:
+            stored: list[int] = []
+            view = CacheView()
+            sent = [0]
+
+            def first_events() -> bool:
+                sent[0] += 1
+                _chat(sim, f"{sent[0]} {SYSTEM}", "hello")
+                while sub.poll(100):
+                    topic, _seq, payload = sub.recv_multipart()
+                    assert topic == b"kv"
+                    stored.extend(view.apply(decode_events(payload)).stored)
+                return bool(stored)
+
+            wait_for(first_events, timeout=30, what="a BlockStored event at the bound subscriber")
+    finally:
+        sub.close(0)
+        context.term()
+
+
+@settings(max_examples=200)
+@given(
+    scheme=st.sampled_from(["tcp://", "ipc://", "inproc://"]),
+    host=st.sampled_from(["*", "[::]", "127.0.0.1", "localhost", "10.1.2.3", "/tmp/kv"]),
+    port=st.integers(0, 65535),
+)
+def test_binds_a_wildcard_or_local_endpoint_and_connects_to_the_rest(
+    scheme: str, host: str, port: int
+) -> None:
+    endpoint = f"{scheme}{host}:{port}"
+    wildcard = host in ("*", "[::]")
+    assert binds(endpoint) == (wildcard or scheme != "tcp://")
+
+
+def test_binds_examples() -> None:
+    assert binds("tcp://*:5557")
+    assert binds("tcp://[::]:5557")
+    assert binds("ipc:///run/llmgw/kv.sock")
+    assert binds("inproc://kv")
+    assert not binds("tcp://127.0.0.1:5557")
+    assert not binds("tcp://engine-host:5557")

@@ -12,6 +12,11 @@ scheduler's signed 64-bit integers, as vLLM sends them with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``; ``token_ids`` is each block's token ids when
 ``--tokenizer`` gives the simulator a real tokenizer, else empty (its own crude tokens
 have no ids of a real vocabulary).
+
+Like vLLM 0.32's ``ZmqEventPublisher``, the PUB socket *binds* only a
+wildcard endpoint (``*`` or ``::`` in it: ``tcp://*:5557``) or a local one (``ipc://``,
+``inproc://``) and *connects* to any other address (``tcp://127.0.0.1:5557``), where the
+subscriber binds (:func:`binds`).
 """
 
 from __future__ import annotations
@@ -78,8 +83,15 @@ def events(
     return out
 
 
+def binds(endpoint: str) -> bool:
+    """Whether the publisher binds ``endpoint`` (else it connects to it): vLLM's rule, a
+    wildcard (``*`` or ``::`` anywhere in it) or an ``ipc://``/``inproc://`` endpoint."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class Publisher:
-    """A ZMQ PUB socket sending batches with consecutive sequence numbers."""
+    """A ZMQ PUB socket sending batches with consecutive sequence numbers, bound or
+    connected as :func:`binds` says."""
 
     def __init__(self, config: KvEventsConfig) -> None:
         import zmq
@@ -89,7 +101,12 @@ class Publisher:
         self._sock = self._context.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
-            self._sock.bind(config.endpoint)
+            if binds(config.endpoint):
+                self._sock.bind(config.endpoint)
+            else:
+                # Connecting succeeds whether or not anything listens there yet (ZMQ
+                # retries in the background); only a malformed address fails here.
+                self._sock.connect(config.endpoint)
         except zmq.ZMQError as err:
             self.close()
             raise StartupError(
