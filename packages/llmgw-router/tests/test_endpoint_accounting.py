@@ -8,7 +8,7 @@ import random
 
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_router.endpoints import Attempt, Endpoint, EndpointSpec, EngineLoad
+from llmgw_router.endpoints import Endpoint, EndpointSpec, EngineLoad
 
 
 def make() -> Endpoint:
@@ -17,20 +17,20 @@ def make() -> Endpoint:
 
 def test_an_attempt_is_outstanding_and_awaiting_until_its_first_byte() -> None:
     ep = make()
-    attempt = ep.attempt(10)
+    work = ep.attempt(10)
     assert (ep.outstanding, ep.awaiting_first, ep.pending_blocks) == (1, 1, 10.0)
-    ep.first_byte(attempt, 0.5)
+    ep.first_byte(10, work, 0.5)
     assert (ep.outstanding, ep.awaiting_first, ep.pending_blocks) == (1, 0, 0.0)
     # 10 blocks in 0.5 s: the first measurement is taken as it is.
     assert ep.learned_block_time == 0.05
-    ep.attempt_ended(attempt, 1.0)
+    ep.attempt_ended(10, work, True, 1.0)
     assert (ep.outstanding, ep.awaiting_first) == (0, 0)
 
 
 def test_an_attempt_that_fails_before_its_first_byte_teaches_no_block_time() -> None:
     ep = make()
-    attempt = ep.attempt(10)
-    ep.attempt_ended(attempt, 1.0)
+    work = ep.attempt(10)
+    ep.attempt_ended(10, work, False, 1.0)
     assert (ep.outstanding, ep.awaiting_first, ep.pending_blocks) == (0, 0, 0.0)
     assert ep.learned_block_time == 0.0
 
@@ -56,17 +56,15 @@ def test_every_attempt_that_ends_leaves_no_figure_behind(
     nothing is outstanding, awaiting or pending, and the counts never go negative."""
     ep = make()
     ep.report(EngineLoad(measured_at=0.0))
-    live: list[tuple[Attempt, bool, float]] = []
+    live: list[tuple[int, float, bool, float]] = []
     for miss, answered, seconds in attempts:
-        live.append((ep.attempt(miss), answered, seconds))
+        live.append((miss, ep.attempt(miss), answered, seconds))
     assert ep.outstanding == ep.awaiting_first == len(attempts)
     rnd.shuffle(live)
-    for at, (attempt, answered, seconds) in enumerate(live):
+    for at, (miss, work, answered, seconds) in enumerate(live):
         if answered:
-            ep.first_byte(attempt, seconds)
-            # Told twice (a retry path that asks again): counted once.
-            ep.first_byte(attempt, seconds)
-        ep.attempt_ended(attempt, float(at))
+            ep.first_byte(miss, work, seconds)
+        ep.attempt_ended(miss, work, answered, float(at))
         assert min(ep.outstanding, ep.awaiting_first) >= 0
         assert ep.pending_blocks >= 0
     assert (ep.outstanding, ep.awaiting_first) == (0, 0)

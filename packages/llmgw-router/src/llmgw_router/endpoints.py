@@ -20,7 +20,7 @@ from llmgw_router.outlier import OutlierState
 # Token blocks kept per endpoint at most (the control plane relays up to 200,000).
 MAX_TOKEN_BLOCKS = 1_000_000
 
-__all__ = ["MAX_TOKEN_BLOCKS", "Attempt", "Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
+__all__ = ["MAX_TOKEN_BLOCKS", "Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +59,6 @@ class EndpointSpec:
     # The engine's secret, sent upstream as Authorization: Bearer (from the control
     # plane); never shown (/v1/endpoints, logs) and never the client's own header.
     api_key: str = field(default="", repr=False)
-
-
-class Attempt:
-    """One request sent to an endpoint, from its send to its end (:meth:`Endpoint.attempt`)."""
-
-    __slots__ = ("awaiting", "miss", "work")
-
-    def __init__(self, miss: int, work: float) -> None:
-        # The prefix blocks it is predicted to prefill, and those ahead of its first token.
-        self.miss = miss
-        self.work = work
-        # No first byte yet.
-        self.awaiting = True
 
 
 @dataclass(eq=False, slots=True)
@@ -172,28 +159,41 @@ class Endpoint:
     # began, when its first byte came, and when it ended (with the time, on the
     # router's clock, where the figures keep one).
 
-    def attempt(self, miss: int) -> Attempt:
-        """A request predicted to prefill ``miss`` prefix blocks is sent here now."""
+    def attempt(self, miss: int) -> float:
+        """A request predicted to prefill ``miss`` prefix blocks is sent here now: in flight
+        and awaiting its first byte. Returns the prefix blocks ahead of its first token,
+        its own included, which :meth:`first_byte` and :meth:`attempt_ended` are given
+        back (a number, not an object, and these three inline begin_prefill, end_prefill
+        and finished: they are on every request's path)."""
         self.outstanding += 1
         self.awaiting_first += 1
-        return Attempt(miss, self.begin_prefill(miss))
+        work = self.pending_blocks + miss
+        self.pending_blocks = work
+        self.typical_miss += 0.1 * (miss - self.typical_miss)
+        return work
 
-    def first_byte(self, attempt: Attempt, seconds: float) -> None:
-        """``attempt``'s first byte came ``seconds`` after it was sent: past the queue and
-        the prefill, the engine is generating for it."""
-        if attempt.awaiting:
-            attempt.awaiting = False
-            self.awaiting_first -= 1
-            self.end_prefill(attempt.miss, attempt.work, seconds)
+    def first_byte(self, miss: int, work: float, seconds: float) -> None:
+        """That attempt's first byte came ``seconds`` after it was sent: past the queue and
+        the prefill, the engine is generating for it. Told once per attempt."""
+        self.awaiting_first -= 1
+        self.pending_blocks = max(0.0, self.pending_blocks - miss)
+        if work >= 8:
+            # As end_prefill: only where the prefill dominates.
+            sample = seconds / work
+            old = self.learned_block_time
+            self.learned_block_time = sample if old <= 0 else old + 0.1 * (sample - old)
 
-    def attempt_ended(self, attempt: Attempt, at: float) -> None:
-        """``attempt`` ended at ``at`` (answered, failed or cancelled)."""
+    def attempt_ended(self, miss: int, work: float, answered: bool, at: float) -> None:
+        """That attempt ended at ``at`` (answered, failed or cancelled); ``answered``: its
+        first byte was told (:meth:`first_byte`)."""
         self.outstanding -= 1
-        if attempt.awaiting:
-            attempt.awaiting = False
+        if not answered:
             self.awaiting_first -= 1
-            self.end_prefill(attempt.miss, attempt.work, None)
-        self.finished(at)
+            self.pending_blocks = max(0.0, self.pending_blocks - miss)
+        if self.engine is not None:
+            # As finished(at).
+            self.finished_since_report += 1
+            self._event(at, -1)
 
     def begin_prefill(self, miss: int) -> float:
         """A request predicted to prefill ``miss`` prefix blocks was sent here: the blocks

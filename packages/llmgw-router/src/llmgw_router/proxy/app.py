@@ -37,7 +37,7 @@ from llmgw_router.proxy.asgi import Receive, Scope, Send, serve_asgi
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Headers, Incoming, Outcome, Reply, RequestContext, respond
 from llmgw_router.proxy.exchange import Exchange
-from llmgw_router.proxy.parse import parse_head
+from llmgw_router.proxy.parse import RequestHeadWithPrompt, parse_head
 from llmgw_router.proxy.route import Router
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import Pool
@@ -105,10 +105,20 @@ class ProxyApp:
     async def context(
         self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None
     ) -> RequestContext:
-        """parse → route → the balancer's keys: the request's context, or an ApiError."""
+        """parse → route → the balancer's keys: the request's context, or an ApiError.
+        Only a held request or a prompt to tokenize waits here."""
+        started = now()
         head = parse_head(body, self._with_prompt)
-        ctx = await self.router.context(path, headers, body, head.model, api_key)
-        await self.chooser.read_keys(ctx, headers, head)
+        model = head.model
+        router = self.router
+        ctx = router.context(path, headers, body, model, api_key, started)
+        if ctx is None:
+            endpoints = await router.wait_for(model)
+            ctx = router.context_over(path, headers, body, model, endpoints, started)
+        tokenizer = self.chooser.read_keys(ctx, headers, head)
+        if tokenizer is not None:
+            assert isinstance(head, RequestHeadWithPrompt)
+            await self.chooser.read_tokens(ctx, head, tokenizer)
         return ctx
 
     async def exchange(self, ctx: RequestContext, reply: Reply, outcome: Outcome) -> None:

@@ -62,23 +62,40 @@ class Chooser:
             else {}
         )
 
-    async def read_keys(self, ctx: RequestContext, headers: Headers, head: RequestHead) -> None:
-        """What the balancer keys on, from the request's headers and head."""
+    def read_keys(
+        self, ctx: RequestContext, headers: Headers, head: RequestHead
+    ) -> PromptTokenizer | None:
+        """What the balancer keys on, from the request's headers and head; with precise
+        matching, the tokenizer to read the prompt's tokens with (:meth:`read_tokens`)
+        instead of its text."""
         if self._affinity:
             raw = headers.get(self._affinity_header)
             ctx.affinity_key = raw.decode("latin-1") if raw else head.user
         elif isinstance(head, RequestHeadWithPrompt):
             prompt = head.messages or head.prompt
             if prompt:
-                tokenizer = self._tokenizers.get(ctx.model)
+                tokenizer = self._tokenizers.get(ctx.model) if self._tokenizers else None
                 if tokenizer is not None:
-                    ctx.tokens = await self._prompt_tokens(tokenizer, head)
-                if ctx.tokens is not None:
-                    # Blocks of block_bytes / 4 tokens (about as much prompt).
-                    ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
-                else:
-                    text = prompt_text(bytes(prompt), chat=bool(head.messages))
-                    ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
+                    return tokenizer
+                text = prompt_text(bytes(prompt), chat=bool(head.messages))
+                ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
+        return None
+
+    async def read_tokens(
+        self,
+        ctx: RequestContext,
+        head: RequestHeadWithPrompt,
+        tokenizer: PromptTokenizer,
+    ) -> None:
+        """The prompt's token blocks (and their prefix); its text's where it does not tokenize."""
+        ctx.tokens = await self._prompt_tokens(tokenizer, head)
+        if ctx.tokens is None:
+            prompt = head.messages or head.prompt
+            text = prompt_text(bytes(prompt), chat=bool(head.messages))
+            ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
+        else:
+            # Blocks of block_bytes / 4 tokens (about as much prompt).
+            ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
 
     async def _prompt_tokens(
         self, tokenizer: PromptTokenizer, head: RequestHeadWithPrompt

@@ -118,7 +118,9 @@ class Exchange:
         assert pool is not None
         deadlines = ctx.deadlines
         sent_at = now()
-        attempt = ep.attempt(ctx.pick_miss)
+        miss = ctx.pick_miss
+        work = ep.attempt(miss)
+        answered = False
         response: Response | None = None
         clean = False
         try:
@@ -145,7 +147,8 @@ class Exchange:
                     )
                 first = await response.read_chunk(first_byte_by)
                 # Past the queue and the prefill: the engine is generating for it.
-                ep.first_byte(attempt, now() - sent_at)
+                ep.first_byte(miss, work, now() - sent_at)
+                answered = True
             except TimeoutError:
                 raise UpstreamFailure(
                     "timeout_first_byte",
@@ -168,7 +171,7 @@ class Exchange:
                 self.state.record_success(ep)
             clean = await self.relay.relay(ctx, send, ep, response, first)
         finally:
-            ep.attempt_ended(attempt, now())
+            ep.attempt_ended(miss, work, answered, now())
             if response is not None:
                 # An unfinished response must not go back to the pool: closing it is
                 # also what tells the engine to stop generating.

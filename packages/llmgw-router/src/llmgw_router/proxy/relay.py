@@ -87,7 +87,11 @@ class Relay:
         assert self.pool is not None
         loop = self.pool.loop
         status = response.status
-        content_type = next((v for k, v in response.headers if k == b"content-type"), b"")
+        content_type = b""
+        for name, value in response.headers:
+            if name == b"content-type":
+                content_type = value
+                break
         streamed = content_type.startswith(b"text/event-stream")
         ttft = now() - ctx.started
         metrics.child(metrics.ttft, model).observe(ttft)

@@ -33,11 +33,19 @@ class Router:
         self.holds = Holds(state)
         self._deadlines_by_model: dict[str, Deadlines] = {}
 
-    async def context(
-        self, path: str, headers: Headers, body: bytes, model: str, api_key: ApiKey | None
-    ) -> RequestContext:
-        """The request's routing facts; ApiError if the model may not or cannot be served."""
-        started = now()
+    def context(
+        self,
+        path: str,
+        headers: Headers,
+        body: bytes,
+        model: str,
+        api_key: ApiKey | None,
+        started: float,
+    ) -> RequestContext | None:
+        """The request's routing facts: candidates, deadlines, the headers an engine gets.
+        None when the request is to wait for an endpoint (a declared scale-to-zero model
+        at zero: :meth:`wait_for`, then :meth:`context_over`); ApiError when the model may
+        not or cannot be served."""
         if api_key is not None and not api_key.allows(model):
             raise ApiError(
                 403,
@@ -46,7 +54,28 @@ class Router:
                 param="model",
                 code="model_not_allowed",
             )
-        endpoints = await self._endpoints_of(model)
+        state = self.state
+        endpoints = state.endpoints.for_model(model)
+        if endpoints is None:
+            if state.endpoints.declared.get(model) and state.config.hold.enabled:
+                return None
+            raise self._no_endpoints(model)
+        return self.context_over(path, headers, body, model, endpoints, started)
+
+    async def wait_for(self, model: str) -> tuple[Endpoint, ...]:
+        """Scale to zero: the first endpoint of ``model`` (or 503 past the timeout/bound)."""
+        return await self.holds.wait(model)
+
+    def context_over(
+        self,
+        path: str,
+        headers: Headers,
+        body: bytes,
+        model: str,
+        endpoints: tuple[Endpoint, ...],
+        started: float,
+    ) -> RequestContext:
+        """The context of a request to be served by ``endpoints``."""
         deadlines = self._deadlines(model)
         forward = []
         for name in _FORWARD_REQUEST:
@@ -63,16 +92,6 @@ class Router:
             started=started,
             deadline=started + deadlines.total,
         )
-
-    async def _endpoints_of(self, model: str) -> tuple[Endpoint, ...]:
-        state = self.state
-        endpoints = state.endpoints.for_model(model)
-        if endpoints is not None:
-            return endpoints
-        if state.endpoints.declared.get(model) and state.config.hold.enabled:
-            # Scale to zero: wait for the first endpoint (or 503 past the timeout/bound).
-            return await self.holds.wait(model)
-        raise self._no_endpoints(model)
 
     def _no_endpoints(self, model: str) -> ApiError:
         """Why ``model`` has no endpoint at all: unknown, unavailable, or no snapshot yet."""
