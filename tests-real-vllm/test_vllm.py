@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 from llmgw_testkit import http_get, wait_for
+from llmgw_testkit import serving_checks as checks
+from llmgw_testkit.checks import stream_chat_with_usage
 from llmgw_testkit.cluster import Cluster, metric_sum
 
 SERVED_NAME = "gemma3"
@@ -49,10 +50,6 @@ def _shard(cluster: Cluster) -> dict[str, Any] | None:
                 result: dict[str, Any] = shard
                 return result
     return None
-
-
-def _cmdline(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
 
 def _alive(pid: int) -> bool:
@@ -95,12 +92,6 @@ def _engine_metrics(port: int) -> str:
         return str(resp.read().decode())
 
 
-def _client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=300
-    )
-
-
 def test_starting_until_health_answers_then_ready(system: Cluster) -> None:
     # Each sample reads the control plane's view first, then the engine's /health. While
     # vLLM loads, its port refuses connections; once /health answers 200 it stays up. So a
@@ -127,13 +118,8 @@ def test_starting_until_health_answers_then_ready(system: Cluster) -> None:
 def test_placed_on_the_cpu_node_and_launched_through_the_adapter(
     serving: Cluster, engine: Any, hf_model: Path, profile: dict[str, Any]
 ) -> None:
-    node = serving.wait_node_state("cpu-a", "READY")
-    assert node["gpus"] == []
-    assert node["simulated"] is False
-    shard = ready_shard(serving)
-    assert shard["node_id"] == "cpu-a"
-    assert shard["gpu_indices"] == []
-    cmdline = _cmdline(shard["pid"])
+    shard = checks.placed_on_the_cpu_node(serving, SERVED_NAME, "cpu-a")
+    cmdline = checks.cmdline(shard["pid"])
     args = _engine_args(cmdline, engine.command)
     assert args[args.index(engine.model_flag) + 1] == str(hf_model), args
     assert args[args.index("--host") + 1] == "127.0.0.1"
@@ -152,13 +138,9 @@ def test_placed_on_the_cpu_node_and_launched_through_the_adapter(
             assert sent["endpoint"].startswith("ipc://")
         else:
             assert launched == given
-    environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
+    environ = checks.environ(shard["pid"])
     for key, value in profile["env"].items():
         assert f"{key}={value}".encode() in environ, key
-    # The control plane publishes the engine's address; the router lists the model.
-    (replica,) = serving.replicas(SERVED_NAME)
-    assert replica["endpoint"] == f"http://127.0.0.1:{shard['port']}"
-    assert SERVED_NAME in serving.router_models()
 
 
 def help_flags(text: str) -> set[str]:
@@ -173,11 +155,10 @@ def help_flags(text: str) -> set[str]:
 
 def test_every_flag_the_adapter_emitted_is_in_the_real_help(serving: Cluster, engine: Any) -> None:
     shard = ready_shard(serving)
-    args = _engine_args(_cmdline(shard["pid"]), engine.command)
+    args = _engine_args(checks.cmdline(shard["pid"]), engine.command)
     flags = {a.split("=", 1)[0] for a in args if a.startswith("-")}
     known = help_flags(engine.captured_help.read_text())
-    assert len(known) > 300  # the parse found the engine's options
-    assert flags <= known, sorted(flags - known)
+    checks.every_flag_in_help(flags, known, at_least=300)
     # The capture in the repo is what this engine accepts: the agent read the installed
     # engine's help itself (cached under its state dir) and it has exactly the same flags.
     # (Not line for line: SGLang's usage lines wrap choice lists that vary between runs.)
@@ -193,86 +174,34 @@ def test_the_engine_refuses_a_direct_request_and_serves_the_routed_one(
     """Issue 24.3: the real engine requires the secret the agent gave it; the router sends
     it, a client going around the router has none."""
     shard = ready_shard(serving)
-    environ = Path(f"/proc/{shard['pid']}/environ").read_bytes().split(b"\0")
-    cmdline = _cmdline(shard["pid"])
     if engine.kind == "vllm":  # VLLM_API_KEY: out of the command line ps shows
-        (secret,) = [
-            e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"VLLM_API_KEY=")
-        ]
-        assert secret not in " ".join(cmdline)
+        checks.engine_secret(shard["pid"], "VLLM_API_KEY")
     else:
-        secret = cmdline[cmdline.index("--api-key") + 1]
-    assert len(secret) >= 32
-    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    url = f"http://127.0.0.1:{shard['port']}/v1/chat/completions"
-    direct = httpx.post(url, json=body, timeout=60)
-    assert direct.status_code == 401, direct.text
+        cmdline = checks.cmdline(shard["pid"])
+        assert len(cmdline[cmdline.index("--api-key") + 1]) >= 32
+    direct = checks.direct_request_refused(serving, SERVED_NAME)
     if engine.kind == "vllm":
         assert direct.json() == {"error": "Unauthorized"}
-    wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer unused"}, timeout=60)
-    assert wrong.status_code == 401
-    reply = _client(serving).chat.completions.create(
-        model=SERVED_NAME,
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=2,
-        extra_body={"ignore_eos": True},
-    )
-    assert reply.usage is not None
-    assert reply.usage.completion_tokens == 2
+    checks.routed_request_served(serving, SERVED_NAME)
 
 
 def test_chat_completion_through_the_router(serving: Cluster) -> None:
-    reply = _client(serving).chat.completions.create(
-        model=SERVED_NAME,
-        messages=[{"role": "user", "content": "The capital of France is"}],
-        max_tokens=8,
-        temperature=0,
-        # A base model may end at once; without its end token it writes exactly max_tokens.
-        extra_body={"ignore_eos": True},
-    )
-    assert reply.object == "chat.completion"
+    reply = checks.chat_through_the_router(serving, SERVED_NAME)
     assert reply.model == SERVED_NAME
-    (choice,) = reply.choices
-    assert choice.message.role == "assistant"
-    assert isinstance(choice.message.content, str)
-    assert choice.message.content
-    assert choice.finish_reason == "length"
+    assert reply.choices[0].message.content
     usage = reply.usage
     assert usage is not None
     # The chat template wrapped the message: more tokens than the five words alone.
     assert usage.prompt_tokens > 8
-    assert usage.completion_tokens == 8
-    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_streaming_chat_completion_with_usage_through_the_router(serving: Cluster) -> None:
-    stream = _client(serving).chat.completions.create(
-        model=SERVED_NAME,
-        messages=[{"role": "user", "content": "Once upon a time"}],
-        max_tokens=16,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    chunks = list(stream)
-    assert all(c.object == "chat.completion.chunk" for c in chunks)
-    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta]
-    pieces = [p for p in pieces if p]
-    # Tokens arrive one chunk at a time, not as one block at the end.
-    assert len(pieces) >= 2
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == "length"
-    usage = chunks[-1].usage
-    assert usage is not None
-    assert chunks[-1].choices == []  # the usage chunk comes last, on its own
-    assert usage.prompt_tokens > 0
-    assert usage.completion_tokens == 16
-    assert len(pieces) <= usage.completion_tokens
+    got = checks.streaming_chat_through_the_router(serving, SERVED_NAME)
+    assert got.chunks[-1].choices == []  # the usage chunk comes last, on its own
 
 
 def test_completion_through_the_router(serving: Cluster) -> None:
-    client = _client(serving)
+    client = checks.client(serving)
     reply = client.completions.create(
         model=SERVED_NAME, prompt="The capital of France is", max_tokens=12, temperature=0
     )
@@ -417,7 +346,7 @@ def test_load_reports_carry_the_engines_real_metrics(serving: Cluster, engine: A
 
     def long_request() -> None:
         try:
-            _client(serving).completions.create(
+            checks.client(serving).completions.create(
                 model=SERVED_NAME,
                 prompt="Once upon a time",
                 max_tokens=200,
@@ -491,19 +420,19 @@ def test_scale_to_zero_drains_on_the_engines_running_metric(serving: Cluster, en
 
     def stream() -> None:
         try:
-            chunks = list(
-                _client(serving).completions.create(
-                    model=SERVED_NAME,
-                    prompt="Once upon a time",
-                    max_tokens=DRAIN_TOKENS,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
-                )
+            # The token count is checked below, with what the stream ended on.
+            got = stream_chat_with_usage(
+                serving.router_url,
+                SERVED_NAME,
+                max_tokens=DRAIN_TOKENS,
+                content="Once upon a time",
+                api_key="unused",
+                timeout=300,
+                expect_tokens=0,
+                extra_body={"ignore_eos": True},
             )
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices]
-            usage = chunks[-1].usage
-            outcome.append((str(finish[-1]), usage.completion_tokens if usage else 0))
+            finish = [c.choices[0].finish_reason for c in got.chunks if c.choices]
+            outcome.append((str(finish[-1]), got.usage.completion_tokens))
         except Exception as err:
             outcome.append((f"error: {err!r}", 0))
 
