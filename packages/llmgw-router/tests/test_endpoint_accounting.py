@@ -8,7 +8,7 @@ import random
 
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_router.endpoints import Endpoint, EndpointSpec, EngineLoad
+from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSpec, EngineLoad
 
 
 def make() -> Endpoint:
@@ -70,3 +70,38 @@ def test_every_attempt_that_ends_leaves_no_figure_behind(
     assert (ep.outstanding, ep.awaiting_first) == (0, 0)
     assert ep.pending_blocks < 1e-6
     assert ep.finished_since_report == len(attempts)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.integers(0, 20), max_size=8),
+            st.lists(st.integers(0, 20), max_size=8),
+            st.booleans(),
+        ),
+        max_size=30,
+    )
+)
+def test_cache_changes_keep_a_count_that_is_never_negative(
+    changes: list[tuple[bool, list[int], list[int], bool]],
+) -> None:
+    """The endpoint applies its engine's cache changes itself (the watcher only translates
+    the wire): whatever comes, the block count stays at zero or above, and blocks named by
+    the engine's own hashes end the token-id view."""
+    ep = make()
+    for cleared, stored, removed, by_token_ids in changes:
+        ep.cache_changed(
+            CacheChange(
+                cleared=cleared,
+                stored=stored,
+                removed=removed,
+                by_token_ids=by_token_ids,
+                block_size=16,
+            )
+        )
+        assert ep.cached_blocks >= 0
+        if stored and not by_token_ids:
+            assert ep.token_blocks is None
+        if ep.token_blocks is not None:
+            assert set(stored) <= ep.token_blocks

@@ -20,7 +20,14 @@ from llmgw_router.outlier import OutlierState
 # Token blocks kept per endpoint at most (the control plane relays up to 200,000).
 MAX_TOKEN_BLOCKS = 1_000_000
 
-__all__ = ["MAX_TOKEN_BLOCKS", "Endpoint", "EndpointSet", "EndpointSpec", "EngineLoad"]
+__all__ = [
+    "MAX_TOKEN_BLOCKS",
+    "CacheChange",
+    "Endpoint",
+    "EndpointSet",
+    "EndpointSpec",
+    "EngineLoad",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +44,20 @@ class EngineLoad:
     measured_at: float = 0.0
     # The engine's KV cache, in tokens (vLLM: num_gpu_blocks x block_size); 0: not told.
     cache_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheChange:
+    """One change to an engine's KV cache, as the control plane relayed it: blocks stored
+    and removed (by token-id hashes when ``by_token_ids``, else the engine's own), or a
+    clear; ``generation`` names the engine process (0: not told)."""
+
+    cleared: bool = False
+    generation: int = 0
+    stored: Sequence[int] = ()
+    removed: Sequence[int] = ()
+    by_token_ids: bool = False
+    block_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,33 +306,25 @@ class Endpoint:
         if load.generation > self.engine_generation:
             self.engine_generation = load.generation
 
-    def cache_changed(
-        self,
-        *,
-        cleared: bool,
-        generation: int,
-        stored: Sequence[int],
-        removed: Sequence[int],
-        by_token_ids: bool,
-        block_size: int,
-    ) -> None:
+    def cache_changed(self, change: CacheChange) -> None:
         """The engine's cache changed: its block count, and its blocks when named by token ids.
 
         A clear starts a view (empty: the agent's first word on a new engine is a clear
         with nothing in it yet); blocks stored under the engine's own hashes end it (None:
         the engine's events carry no token ids, nothing to match a prompt against)."""
-        if cleared or (generation and generation != self.generation):
+        stored, removed = change.stored, change.removed
+        if change.cleared or (change.generation and change.generation != self.generation):
             self.cached_blocks = 0
             self.token_blocks = set()
         self.cached_blocks = max(0, self.cached_blocks + len(stored) - len(removed))
-        if stored and not by_token_ids:
+        if stored and not change.by_token_ids:
             self.token_blocks = None
             return
         blocks = self.token_blocks
         if blocks is None:
             return
-        if block_size:
-            self.token_block_size = block_size
+        if change.block_size:
+            self.token_block_size = change.block_size
         blocks.difference_update(removed)
         blocks.update(stored)
         if len(blocks) > MAX_TOKEN_BLOCKS:

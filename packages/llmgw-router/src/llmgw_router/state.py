@@ -15,7 +15,7 @@ import structlog
 from llmgw_router.balancers import Balancer, make_balancer
 from llmgw_router.budget import RetryBudget
 from llmgw_router.config import RouterConfig
-from llmgw_router.endpoints import Endpoint, EndpointSet, EngineLoad
+from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSet, EngineLoad
 from llmgw_router.metrics import Metrics
 from llmgw_router.outlier import (
     OutlierPolicy,
@@ -153,6 +153,14 @@ class RouterState:
                 if ep.id not in seen and ep.engine is not None:
                     ep.report(None)
         return applied
+
+    def apply_caches(self, changes: Iterable[tuple[str, CacheChange]]) -> None:
+        """Engine cache changes by endpoint id, each told to its endpoint (if still here)."""
+        by_id = self.endpoints.by_id
+        for endpoint_id, change in changes:
+            ep = by_id.get(endpoint_id)
+            if ep is not None:
+                ep.cache_changed(change)
 
     def forget_loads(self) -> None:
         """The load stream is gone: every endpoint falls back to this router's counts."""

@@ -50,7 +50,7 @@ from llmgw_proto.v1 import Endpoint as WireEndpoint
 from llmgw_proto.v1 import EndpointLoad as WireLoad
 
 from llmgw_router.config import ControlConfig
-from llmgw_router.endpoints import Endpoint, EndpointSpec, EngineLoad
+from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSpec, EngineLoad
 from llmgw_router.state import RouterState, now
 
 __all__ = ["EndpointWatcher", "LeaderRedirect", "control_ssl", "load_from_wire", "spec_from_wire"]
@@ -404,11 +404,9 @@ class EndpointWatcher:
             update.full,
         )
         if update.caches:
-            by_id = self.state.endpoints.by_id
-            for cache in update.caches:
-                ep = by_id.get(cache.endpoint_id)
-                if ep is not None:
-                    apply_cache(ep, cache)
+            self.state.apply_caches(
+                (cache.endpoint_id, cache_from_wire(cache)) for cache in update.caches
+            )
 
     async def _demand_loop(self, channel: Channel) -> None:
         """While requests are held, say so: at once, then every `hold.demand_interval`."""
@@ -485,9 +483,9 @@ class EndpointWatcher:
             await asyncio.sleep(delay)
 
 
-def apply_cache(ep: Endpoint, cache: EndpointCache) -> None:
-    """One engine's cache change from the wire, told to the endpoint that keeps it."""
-    ep.cache_changed(
+def cache_from_wire(cache: EndpointCache) -> CacheChange:
+    """One engine's cache change, from the wire."""
+    return CacheChange(
         cleared=cache.cleared,
         generation=cache.generation,
         stored=cache.stored,
@@ -495,3 +493,8 @@ def apply_cache(ep: Endpoint, cache: EndpointCache) -> None:
         by_token_ids=cache.token_hashes,
         block_size=cache.block_size,
     )
+
+
+def apply_cache(ep: Endpoint, cache: EndpointCache) -> None:
+    """One engine's cache change from the wire, told to the endpoint that keeps it."""
+    ep.cache_changed(cache_from_wire(cache))
