@@ -102,7 +102,26 @@ async def test_a_lease_deadline_passed_is_said_as_such(held: str) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-class SlowCleanup:
+class OneWatch:
+    """A service of one streaming call, PATH, handled by ``watch``."""
+
+    PATH = "/test.Slow/Watch"
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            self.PATH: grpclib.const.Handler(
+                self.watch,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                v1.WatchRequest,
+                v1.EndpointSnapshot,
+            )
+        }
+
+    async def watch(self, stream: Any) -> None:
+        raise NotImplementedError
+
+
+class SlowCleanup(OneWatch):
     """A server-streaming call whose handler cleans up with awaits (as the agent stream
     does: it awaits its send and receive tasks), during which a peer's reset lands."""
 
@@ -112,16 +131,6 @@ class SlowCleanup:
         self.interrupted = asyncio.Event()
         if not peer_resets:
             self.cleanup.set()
-
-    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        return {
-            "/test.Slow/Watch": grpclib.const.Handler(
-                self.watch,
-                grpclib.const.Cardinality.STREAM_STREAM,
-                v1.WatchRequest,
-                v1.EndpointSnapshot,
-            )
-        }
 
     async def watch(self, stream: Any) -> None:
         await stream.recv_message()
@@ -169,7 +178,7 @@ async def test_ending_streams_on_step_down_logs_one_line_and_no_traceback(
         with capture_logs() as logs:
             try:
                 async with channel.request(
-                    "/test.Slow/Watch",
+                    SlowCleanup.PATH,
                     grpclib.const.Cardinality.STREAM_STREAM,
                     v1.WatchRequest,
                     v1.EndpointSnapshot,
@@ -211,7 +220,7 @@ async def test_ending_streams_on_step_down_logs_one_line_and_no_traceback(
         await server.wait_closed()
 
 
-class WriteAfterLoss:
+class WriteAfterLoss(OneWatch):
     """A server-streaming call whose write fails because its connection is gone: a leader
     resumed after a freeze writes to a TLS transport asyncio has already dropped (seen in
     the SIGSTOP test: AttributeError '_write_appdata' from the load watch's send)."""
@@ -219,16 +228,6 @@ class WriteAfterLoss:
     def __init__(self) -> None:
         self.started = asyncio.Event()
         self.failed = asyncio.Event()
-
-    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        return {
-            "/test.Lost/Watch": grpclib.const.Handler(
-                self.watch,
-                grpclib.const.Cardinality.STREAM_STREAM,
-                v1.WatchRequest,
-                v1.EndpointSnapshot,
-            )
-        }
 
     async def watch(self, stream: Any) -> None:
         await stream.recv_message()
@@ -252,7 +251,7 @@ async def test_a_write_to_a_lost_connection_is_grpclibs_cancellation_not_an_erro
     grpclib_logger.addHandler(grpclib_logs)
     try:
         async with channel.request(
-            "/test.Lost/Watch",
+            WriteAfterLoss.PATH,
             grpclib.const.Cardinality.STREAM_STREAM,
             v1.WatchRequest,
             v1.EndpointSnapshot,
