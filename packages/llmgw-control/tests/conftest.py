@@ -24,6 +24,7 @@ import yaml
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_proto import v1
 from llmgw_testkit import Proc, free_port, http_get, wait_for_async
+from llmgw_testkit.servers import Etcd, Postgres
 
 S = v1.ShardState
 GiB = 2**30
@@ -505,3 +506,24 @@ class LoadWatcher(EndpointStream[v1.LoadUpdate]):
 
     async def until(self, check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
         return await self.wait(check, what, timeout)
+
+
+# --- real etcd and PostgreSQL servers, once per module (the store and leadership tests) --
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    server = Etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
+    server = Postgres(tmp_path_factory.mktemp("postgres"))
+    try:
+        yield server
+    finally:
+        server.stop()

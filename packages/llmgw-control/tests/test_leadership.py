@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,26 +23,7 @@ from llmgw_proto import v1
 from llmgw_testkit import free_port, wait_for_async
 from llmgw_testkit.servers import Etcd, Postgres
 
-# --- servers, once per module ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    server = Etcd(tmp_path_factory.mktemp("etcd"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
-    server = Postgres(tmp_path_factory.mktemp("postgres"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
+# The etcd and PostgreSQL servers (once per module) are conftest's fixtures.
 
 _prefixes = iter(range(10**6))
 

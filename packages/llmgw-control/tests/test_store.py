@@ -12,7 +12,6 @@ import asyncio
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,26 +37,7 @@ from llmgw_proto import v1
 from llmgw_testkit import free_port, wait_for_async
 from llmgw_testkit.servers import Etcd, Postgres
 
-# --- servers, once per module ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    server = Etcd(tmp_path_factory.mktemp("etcd"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
-    server = Postgres(tmp_path_factory.mktemp("postgres"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
+# The etcd and PostgreSQL servers (once per module) are conftest's fixtures.
 
 _prefixes = iter(range(10**6))
 
