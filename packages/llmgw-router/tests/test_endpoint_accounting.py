@@ -105,3 +105,41 @@ def test_cache_changes_keep_a_count_that_is_never_negative(
             assert ep.token_blocks is None
         if ep.token_blocks is not None:
             assert set(stored) <= ep.token_blocks
+
+
+def test_each_router_state_gives_its_own_endpoints_its_settings() -> None:
+    """A router state configures its endpoints, never the Endpoint class: two in one
+    process (or a test after another) keep their own max age and prefix block."""
+    from llmgw_proto.config import convert
+    from llmgw_router.config import RouterConfig
+    from llmgw_router.endpoints import EndpointSet
+    from llmgw_router.metrics import Metrics
+    from llmgw_router.state import RouterState
+
+    def state(max_age: str, block_bytes: int) -> RouterState:
+        cfg = convert(
+            {
+                "load_reports": {"max_age": max_age},
+                "cache_aware": {"block_bytes": block_bytes},
+                "health_checks": {"enabled": False},
+            },
+            RouterConfig,
+            source="test",
+        )
+        return RouterState(cfg, EndpointSet([make()]), Metrics())
+
+    a = state("1s", 256)
+    b = state("5s", 1024)
+    ep_a, ep_b = a.endpoints.endpoints[0], b.endpoints.endpoints[0]
+    assert (ep_a.max_age, ep_b.max_age) == (1.0, 5.0)
+    assert ep_a.block_tokens < ep_b.block_tokens
+    # The class keeps its defaults; a swapped-in set gets the state's settings too.
+    assert (Endpoint.load_max_age, Endpoint.tokens_per_block) == (2.0, 64.0)
+    fresh = EndpointSet([make()])
+    a.swap(fresh)
+    assert fresh.endpoints[0].max_age == 1.0
+    ep_a.report(EngineLoad(running=7, measured_at=100.0))
+    # 1.5 s after the reading: stale for a (1 s), fresh for b (5 s).
+    assert ep_a.load_at(101.5) == float(ep_a.outstanding)
+    ep_b.report(EngineLoad(running=7, measured_at=100.0))
+    assert ep_b.load_at(101.5) == 7.0

@@ -84,10 +84,9 @@ class EndpointSpec:
 
 @dataclass(eq=False, slots=True)
 class Endpoint:
-    # A figure older than this counts as unknown (set once from `load_reports.max_age`).
+    # The defaults of `max_age` and `block_tokens` below, for an endpoint no router state
+    # has configured (never changed: each router state sets its own endpoints' values).
     load_max_age: ClassVar[float] = 2.0
-    # The engine's tokens in one of cache_aware's prefix blocks (set once from the config:
-    # block_bytes / bytes_per_token), to count an engine's cache in prefix blocks.
     tokens_per_block: ClassVar[float] = 64.0
 
     spec: EndpointSpec
@@ -122,6 +121,12 @@ class Endpoint:
     pending_blocks: float = 0.0
     typical_miss: float = 0.0
     learned_block_time: float = 0.0
+    # Set by the router's state from its config (RouterState.configure): a figure older
+    # than `max_age` counts as unknown (`load_reports.max_age`); the engine's tokens in one
+    # of cache_aware's prefix blocks (block_bytes / bytes_per_token), to count an engine's
+    # cache in prefix blocks.
+    max_age: float = load_max_age
+    block_tokens: float = tokens_per_block
 
     @property
     def id(self) -> str:
@@ -154,7 +159,7 @@ class Endpoint:
     @property
     def cache_blocks(self) -> int:
         """The engine's KV cache in cache_aware's prefix blocks; 0: unknown."""
-        return int(self.cache_tokens / self.tokens_per_block)
+        return int(self.cache_tokens / self.block_tokens)
 
     @property
     def pending(self) -> float:
@@ -236,7 +241,7 @@ class Endpoint:
     def fresh_engine(self, now: float) -> EngineLoad | None:
         """The engine's figures when they are recent enough to balance on."""
         engine = self.engine
-        if engine is None or now - engine.measured_at > self.load_max_age:
+        if engine is None or now - engine.measured_at > self.max_age:
             return None
         return engine
 

@@ -74,9 +74,12 @@ class RouterState:
             max_ejection_percent=ejection.max_ejection_percent,
             panic_threshold=ejection.panic_threshold,
         )
-        Endpoint.load_max_age = config.load_reports.max_age
+        # Each endpoint's settings from this router's config (never class-wide: two router
+        # states in one process keep their own).
+        self._max_age = config.load_reports.max_age
         cache_aware = config.cache_aware
-        Endpoint.tokens_per_block = cache_aware.block_bytes / cache_aware.bytes_per_token
+        self._block_tokens = cache_aware.block_bytes / cache_aware.bytes_per_token
+        self.configure(endpoints)
         self.draining = False
         self.in_flight = 0
         # A router with a control plane has no snapshot until the first one arrives.
@@ -117,7 +120,15 @@ class RouterState:
 
     # ------------------------------------------------------------------ snapshots
 
+    def configure(self, endpoints: EndpointSet) -> None:
+        """Give ``endpoints`` this router's settings (load figures' max age, prefix block)."""
+        max_age, block_tokens = self._max_age, self._block_tokens
+        for ep in endpoints.endpoints:
+            ep.max_age = max_age
+            ep.block_tokens = block_tokens
+
     def swap(self, endpoints: EndpointSet) -> None:
+        self.configure(endpoints)
         self.endpoints = endpoints
         self.has_snapshot = True
         self.known_models.update(endpoints.models)
