@@ -1,9 +1,11 @@
 """Issue 15.1 end to end: an engine's queue, read by its agent, reaches the routers.
 
 Real control plane, agent (reading the simulated vLLM's /metrics into load reports) and
-router. Requests sent straight to the engine, past its `--max-num-seqs`, make its
+router. Requests past the engine's `--max-num-seqs` (sent through the router: the engine's
+own port refuses a request without the secret its agent gave it) make its
 `vllm:num_requests_waiting` rise; the router's endpoints view must show the engine's
-figures (not its own counts) and the waiting requests. The delay from the engine's own
+figures (`engine`, read by the agent from the engine's /metrics, not the router's own
+counts) and the waiting requests. The delay from the engine's own
 metric to the router is printed, not asserted: speed is the benchmarks' business.
 """
 
@@ -45,7 +47,9 @@ def test_an_engine_queue_shows_at_the_router(cluster: Cluster) -> None:
     body = {"model": "chat", "prompt": "queue", "max_tokens": 60}
     threads = [
         threading.Thread(
-            target=lambda: httpx.post(f"{engine_url}/v1/completions", json=body, timeout=120)
+            target=lambda: httpx.post(
+                f"{cluster.router_url}/v1/completions", json=body, timeout=120
+            )
         )
         for _ in range(4)
     ]
