@@ -34,7 +34,7 @@ from grpclib.exceptions import GRPCError
 from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport
 from llmgw_proto.backoff import Backoff
-from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, BoundedChannel
+from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, BoundedChannel, log_too_large
 from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader
 
@@ -45,15 +45,7 @@ __all__ = ["CONNECT", "CommandHandler", "ControlLink", "Outbox"]
 log = structlog.get_logger(__name__)
 
 
-def _too_large(method: str, peer: str, who: str, length: int, limit: int) -> None:
-    log.warning(
-        "message from the control plane refused: too large",
-        method=method,
-        peer=peer,
-        identity=who,
-        bytes=length,
-        limit=limit,
-    )
+_too_large = log_too_large(log, "message from the control plane refused: too large")
 
 
 CONNECT = "/llmgw.v1.AgentService/Connect"

@@ -18,6 +18,7 @@ import click
 import structlog
 from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
+from llmgw_proto.grpc_limits import log_too_large
 from llmgw_proto.text import visible, visible_data
 from llmgw_proto.tls import CertReloader, server_context
 
@@ -105,15 +106,10 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         log.warning("connection refused by TLS", peer=peer, why=why)
         controller.metrics.refusals.labels("tls", why.split(":")[0][:60]).inc()
 
+    logged = log_too_large(log, "gRPC message refused: too large")
+
     def too_large(method: str, peer: str, who: str, length: int, limit: int) -> None:
-        log.warning(
-            "gRPC message refused: too large",
-            method=method,
-            peer=peer,
-            identity=who,
-            bytes=length,
-            limit=limit,
-        )
+        logged(method, peer, who, length, limit)
         name = method.rsplit("/", 1)[-1]
         stream = {"Connect": "agent"}.get(name, name.lower())
         controller.metrics.refusals.labels(stream, "too large").inc()

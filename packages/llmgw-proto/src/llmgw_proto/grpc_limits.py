@@ -35,6 +35,7 @@ __all__ = [
     "bound_channel_stream",
     "bound_handlers",
     "bound_stream",
+    "log_too_large",
     "too_large",
 ]
 
@@ -44,6 +45,15 @@ PREFIX = 5  # gRPC's length-prefixed message: 1 byte compressed flag, 4 bytes le
 # (method, peer "host:port", who (the certificate's role and name), announced length,
 # limit) for every message refused.
 TooLargeHook = Callable[[str, str, str, int, int], None]
+
+
+def log_too_large(log: Any, event: str) -> TooLargeHook:
+    """A hook that logs each refused message as ``event`` (a warning) on ``log``."""
+
+    def hook(method: str, peer: str, who: str, length: int, limit: int) -> None:
+        log.warning(event, method=method, peer=peer, identity=who, bytes=length, limit=limit)
+
+    return hook
 
 
 class MessageTooLarge(GRPCError):

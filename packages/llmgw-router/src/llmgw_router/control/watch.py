@@ -35,7 +35,7 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from llmgw_proto.addr import HostPort, format_hostport, parse_endpoint_url, parse_hostport
 from llmgw_proto.backoff import Backoff
-from llmgw_proto.grpc_limits import BoundedChannel
+from llmgw_proto.grpc_limits import BoundedChannel, log_too_large
 from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader, client_context
 from llmgw_proto.v1 import (
@@ -61,15 +61,7 @@ log = structlog.get_logger(__name__)
 MAX_RECEIVED = 64 * 1024 * 1024
 
 
-def _too_large(method: str, peer: str, who: str, length: int, limit: int) -> None:
-    log.warning(
-        "message from the control plane refused: too large",
-        method=method,
-        peer=peer,
-        identity=who,
-        bytes=length,
-        limit=limit,
-    )
+_too_large = log_too_large(log, "message from the control plane refused: too large")
 
 
 LEADER_KEY = "llmgw-leader"
