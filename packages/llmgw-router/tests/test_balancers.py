@@ -50,7 +50,7 @@ def test_never_picks_an_unusable_endpoint(
     cands: list[Cand], name: str, key: str | None, seed: int
 ) -> None:
     balancer: Balancer[Cand] = make_balancer(name, random.Random(seed))
-    picked = balancer.pick(cands, usable, key)
+    picked = balancer.pick(cands, usable, key, at=0.0)
     if any(c.up for c in cands):
         assert picked is not None
         assert picked.up
@@ -62,7 +62,7 @@ def test_never_picks_an_unusable_endpoint(
 @given(candidates, st.integers(0, 2**32))
 def test_least_outstanding_never_picks_the_unique_busiest(cands: list[Cand], seed: int) -> None:
     ready = [c for c in cands if c.up]
-    picked = LeastOutstanding[Cand](random.Random(seed)).pick(cands, usable, None)
+    picked = LeastOutstanding[Cand](random.Random(seed)).pick(cands, usable, None, at=0.0)
     if len(ready) < 2:
         return
     loads = sorted((c.outstanding / c.weight, c.id) for c in ready)
@@ -76,7 +76,7 @@ def test_least_outstanding_never_picks_the_unique_busiest(cands: list[Cand], see
 def test_round_robin_is_exactly_fair(n: int, rounds: int) -> None:
     cands = [Cand(id=f"e{i}") for i in range(n)]
     balancer = RoundRobin[Cand]()
-    picks = Counter(balancer.pick(cands, usable, None).id for _ in range(n * rounds))  # type: ignore[union-attr]
+    picks = Counter(balancer.pick(cands, usable, None, at=0.0).id for _ in range(n * rounds))  # type: ignore[union-attr]
     assert picks == {c.id: rounds for c in cands}
 
 
@@ -87,8 +87,8 @@ def test_affinity_is_stable_and_consistent(cands: list[Cand], key: str) -> None:
         c.up = True
     owner = rendezvous_owner(cands, key)
     balancer = SessionAffinity[Cand](random.Random(0))
-    assert balancer.pick(cands, usable, key) is owner
-    assert balancer.pick(list(reversed(cands)), usable, key) is owner
+    assert balancer.pick(cands, usable, key, at=0.0) is owner
+    assert balancer.pick(list(reversed(cands)), usable, key, at=0.0) is owner
     # Removing another endpoint does not move the key: that is the consistency.
     if owner is not None and len(cands) > 1:
         other = next(c for c in cands if c is not owner)
@@ -100,7 +100,7 @@ def test_affinity_falls_back_when_its_endpoint_is_unusable() -> None:
     owner = rendezvous_owner(cands, "session-1")
     assert owner is not None
     owner.up = False
-    picked = SessionAffinity[Cand](random.Random(1)).pick(cands, usable, "session-1")
+    picked = SessionAffinity[Cand](random.Random(1)).pick(cands, usable, "session-1", at=0.0)
     assert picked is not None
     assert picked is not owner
 
@@ -108,21 +108,21 @@ def test_affinity_falls_back_when_its_endpoint_is_unusable() -> None:
 def test_least_outstanding_prefers_lighter_load() -> None:
     a, b = Cand("a", outstanding=10), Cand("b", outstanding=0)
     balancer = LeastOutstanding[Cand](random.Random(7))
-    assert all(balancer.pick([a, b], usable, None) is b for _ in range(100))
+    assert all(balancer.pick([a, b], usable, None, at=0.0) is b for _ in range(100))
 
 
 def test_weights_shape_the_share_at_equal_load() -> None:
     # Idle endpoints: each pick goes to the first weighted draw, so share follows weight.
     cands = [Cand("light", weight=1), Cand("heavy", weight=3)]
     balancer = LeastOutstanding[Cand](random.Random(42))
-    picks = Counter(balancer.pick(cands, usable, None).id for _ in range(4000))  # type: ignore[union-attr]
+    picks = Counter(balancer.pick(cands, usable, None, at=0.0).id for _ in range(4000))  # type: ignore[union-attr]
     assert 0.68 < picks["heavy"] / 4000 < 0.82
 
 
 def test_least_outstanding_spreads_evenly_over_equal_endpoints() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = LeastOutstanding[Cand](random.Random(3))
-    picks = Counter(balancer.pick(cands, usable, None).id for _ in range(4000))  # type: ignore[union-attr]
+    picks = Counter(balancer.pick(cands, usable, None, at=0.0).id for _ in range(4000))  # type: ignore[union-attr]
     assert all(800 < picks[c.id] < 1200 for c in cands)
 
 

@@ -29,6 +29,12 @@ class Cand:
     pending: float = 0.0
     block_time: float = 0.0
 
+    def load_at(self, now: float) -> float:
+        return self.load
+
+    def pending_at(self, now: float) -> float:
+        return self.pending
+
 
 def usable(c: Cand) -> bool:
     return c.up
@@ -82,7 +88,7 @@ def test_bounded_load_holds(
     )
     ready = [c for c in cands if c.up]
     for prompt in history:
-        picked = balancer.pick(cands, usable, None, prefix_blocks(prompt, 64, 64))
+        picked = balancer.pick(cands, usable, None, prefix_blocks(prompt, 64, 64), at=0.0)
         if not ready:
             assert picked is None
             continue
@@ -108,7 +114,9 @@ def test_same_prefix_same_endpoint_on_two_routers(
             continue
         other = list(cands)
         shuffler.shuffle(other)
-        assert a.pick(cands, usable, None, blocks) is b.pick(other, usable, None, blocks)
+        assert a.pick(cands, usable, None, blocks, at=0.0) is b.pick(
+            other, usable, None, blocks, at=0.0
+        )
 
 
 def test_a_shared_prefix_sticks_and_a_hot_one_spreads() -> None:
@@ -122,14 +130,14 @@ def test_a_shared_prefix_sticks_and_a_hot_one_spreads() -> None:
     for i, b in enumerate(blocks):
         for t in range(8):
             other = f"tenant {t} of many, question {i}. ".encode() * 40
-            balancer.pick(cands, usable, None, prefix_blocks(other, 128, 512))
-        homes.add(balancer.pick(cands, usable, None, b).id)  # type: ignore[union-attr]
+            balancer.pick(cands, usable, None, prefix_blocks(other, 128, 512), at=0.0)
+        homes.add(balancer.pick(cands, usable, None, b, at=0.0).id)  # type: ignore[union-attr]
     assert len(homes) == 1
     # All at once (nothing finishes): bounded load spreads the hot prefix over all four,
     # never more than the bound above the mean.
     picks: Counter[str] = Counter()
     for b in blocks:
-        picked = balancer.pick(cands, usable, None, b)
+        picked = balancer.pick(cands, usable, None, b, at=0.0)
         assert picked is not None
         picked.load += 1
         picks[picked.id] += 1
@@ -143,7 +151,7 @@ def test_small_counts_keep_affinity_within_the_slack() -> None:
     balancer = CacheAware[Cand](epsilon=0.25, slack=3.0, affinity_blocks=4)
     tenants = [f"You are the assistant of tenant {t}. ".encode() * 40 for t in range(32)]
     home = {
-        t: balancer.pick(cands, usable, None, prefix_blocks(p, 128, 512))
+        t: balancer.pick(cands, usable, None, prefix_blocks(p, 128, 512), at=0.0)
         for t, p in enumerate(tenants)
     }
     rng = random.Random(7)
@@ -151,7 +159,9 @@ def test_small_counts_keep_affinity_within_the_slack() -> None:
         for c in cands:
             c.load = float(rng.randint(0, 2))
         t = rng.randrange(32)
-        picked = balancer.pick(cands, usable, None, prefix_blocks(tenants[t] + b"%d" % i, 128, 512))
+        picked = balancer.pick(
+            cands, usable, None, prefix_blocks(tenants[t] + b"%d" % i, 128, 512), at=0.0
+        )
         assert picked is home[t]
 
 
@@ -162,7 +172,7 @@ def test_hot_prefix_spreads_evenly_while_nothing_queues() -> None:
     balancer = CacheAware[Cand](epsilon=0.25, slack=3.0, affinity_blocks=4)
     system = b"One system prompt for all. " * 60
     picks = Counter(
-        balancer.pick(cands, usable, None, prefix_blocks(system + b"%d" % i, 128, 512)).id  # type: ignore[union-attr]
+        balancer.pick(cands, usable, None, prefix_blocks(system + b"%d" % i, 128, 512), at=0.0).id  # type: ignore[union-attr]
         for i in range(400)
     )
     assert len(picks) == 4
@@ -174,7 +184,7 @@ def test_an_over_bound_spill_goes_to_the_next_in_rendezvous_order_then_stays_the
     balancer = CacheAware[Cand](epsilon=0.25, slack=1.0, affinity_blocks=4)
     prompt = b"tenant prefix " * 80
     blocks = prefix_blocks(prompt, 128, 512)
-    home = balancer.pick(cands, usable, None, blocks)
+    home = balancer.pick(cands, usable, None, blocks, at=0.0)
     assert home is not None
     order = [c for c in balancer.ranking(cands, blocks) if c is not home]
     home.load = 10.0
@@ -182,20 +192,22 @@ def test_an_over_bound_spill_goes_to_the_next_in_rendezvous_order_then_stays_the
     # takes the spill, so every router sends this prefix's overflow to one second home.
     for load, c in zip((2.0, 1.0, 0.0), order, strict=True):
         c.load = load
-    spill = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512))
+    spill = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512), at=0.0)
     assert spill is order[0]
     # While the home stays over the bound, the prefix goes to that holder within it (a
     # cache hit), even when others are less loaded now.
     order[0].load = 3.0
-    again = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512))
+    again = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512), at=0.0)
     assert again is order[0]
     # The holder over the bound too: the next in order within it.
     order[0].load = 10.0
-    third = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"w", 128, 512))
+    third = balancer.pick(cands, usable, None, prefix_blocks(prompt + b"w", 128, 512), at=0.0)
     assert third is order[1]
     # Back within the bound: home again.
     home.load = 1.0
-    assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"z", 128, 512)) is home
+    assert (
+        balancer.pick(cands, usable, None, prefix_blocks(prompt + b"z", 128, 512), at=0.0) is home
+    )
 
 
 @given(st.lists(st.integers(0, 4).map(float), min_size=4, max_size=4))
@@ -212,7 +224,7 @@ def test_a_new_prefix_goes_to_its_first_rendezvous_choice_within_the_bound(
     for c, load in zip(cands, loads, strict=True):
         c.load = load
     balancer = CacheAware[Cand]()
-    picked = balancer.pick(cands, usable, None, blocks)
+    picked = balancer.pick(cands, usable, None, blocks, at=0.0)
     total = sum(loads)
     if balancer.within(first.load, total, 1, 4, 4):
         assert picked is first
@@ -229,17 +241,17 @@ def test_routers_that_placed_a_prefix_apart_converge_on_its_first_choice() -> No
     a, b = CacheAware[Cand](), CacheAware[Cand]()
     home, second, *_ = a.ranking(cands, prefix_blocks(prompt, 256, 512))
     home.load = 9.0  # over the bound: the prefix spills to its second choice
-    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"1", 256, 512)) is second
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"1", 256, 512), at=0.0) is second
     home.load = 0.0
-    assert b.pick(cands, usable, None, prefix_blocks(prompt + b"2", 256, 512)) is home
+    assert b.pick(cands, usable, None, prefix_blocks(prompt + b"2", 256, 512), at=0.0) is home
     # Still busier than a's holder: a stays where it has the prefix cached.
     home.load, second.load = 1.0, 0.0
-    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"3", 256, 512)) is second
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"3", 256, 512), at=0.0) is second
     # No busier: home, and from then on home while it is within the bound.
     home.load = 0.0
-    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"4", 256, 512)) is home
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"4", 256, 512), at=0.0) is home
     home.load = 1.0
-    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"5", 256, 512)) is home
+    assert a.pick(cands, usable, None, prefix_blocks(prompt + b"5", 256, 512), at=0.0) is home
 
 
 def test_where_prompts_share_nothing_a_new_one_goes_to_the_least_loaded() -> None:
@@ -248,15 +260,15 @@ def test_where_prompts_share_nothing_a_new_one_goes_to_the_least_loaded() -> Non
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](window=64)
     for i in range(64):
-        balancer.pick(cands, usable, None, prefix_blocks(b"unique %d " % i * 60, 128, 512))
+        balancer.pick(cands, usable, None, prefix_blocks(b"unique %d " % i * 60, 128, 512), at=0.0)
     blocks = prefix_blocks(b"one more unique prompt " * 40, 128, 512)
     first, second, third, fourth = balancer.ranking(cands, blocks)
     first.load, second.load, third.load, fourth.load = 1.0, 0.5, 2.0, 0.25
-    assert balancer.pick(cands, usable, None, blocks) is fourth
+    assert balancer.pick(cands, usable, None, blocks, at=0.0) is fourth
     blocks = prefix_blocks(b"and another unique prompt " * 40, 128, 512)
     first, second, third, fourth = balancer.ranking(cands, blocks)
     first.load, second.load, third.load, fourth.load = 1.0, 0.0, 2.0, 0.0
-    assert balancer.pick(cands, usable, None, blocks) is second
+    assert balancer.pick(cands, usable, None, blocks, at=0.0) is second
 
 
 @given(
@@ -271,14 +283,14 @@ def test_a_prompt_that_shares_nothing_goes_where_the_fewest_wait_for_a_first_tok
     cands = [Cand(f"e{i}") for i in range(len(queues))]
     balancer = CacheAware[Cand](window=16)
     for i in range(16):
-        balancer.pick(cands, usable, None, prefix_blocks(b"warm %d " % i * 60, 128, 512))
+        balancer.pick(cands, usable, None, prefix_blocks(b"warm %d " % i * 60, 128, 512), at=0.0)
     for c, (waiting, load) in zip(cands, queues, strict=True):
         c.awaiting_first, c.load = waiting, max(load, float(waiting))
     fewest = min(cands, key=lambda c: (c.awaiting_first, c.load))
     total = sum(c.load for c in cands)
     # Where that one is over the bound, the bound decides (its own tests): not this rule.
     assume(balancer.within(fewest.load, total, 1, len(cands), len(cands)))
-    picked = balancer.pick(cands, usable, None, prefix_blocks(tail + b"!" * 300, 128, 512))
+    picked = balancer.pick(cands, usable, None, prefix_blocks(tail + b"!" * 300, 128, 512), at=0.0)
     assert picked is not None
     assert (picked.awaiting_first, picked.load) == min((c.awaiting_first, c.load) for c in cands)
 
@@ -289,22 +301,29 @@ def test_kv_cache_use_does_not_tip_an_endpoint_over_the_bound() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](epsilon=0.25, slack=3.0, affinity_blocks=4)
     prompt = b"tenant prefix " * 80
-    home = balancer.pick(cands, usable, None, prefix_blocks(prompt, 128, 512))
+    home = balancer.pick(cands, usable, None, prefix_blocks(prompt, 128, 512), at=0.0)
     assert home is not None
     home.load = 5.25
     for c, load in zip((c for c in cands if c is not home), (1.0, 1.0, 0.25), strict=True):
         c.load = load
-    assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512)) is home
+    assert (
+        balancer.pick(cands, usable, None, prefix_blocks(prompt + b"x", 128, 512), at=0.0) is home
+    )
     # One request more is over it: the prefix spills.
     home.load = 6.25
-    assert balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512)) is not home
+    assert (
+        balancer.pick(cands, usable, None, prefix_blocks(prompt + b"y", 128, 512), at=0.0)
+        is not home
+    )
 
 
 def test_different_prefixes_spread_over_the_endpoints() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand]()
     owners = Counter(
-        balancer.pick(cands, usable, None, prefix_blocks(f"tenant {t} ".encode() * 50, 128, 512)).id  # type: ignore[union-attr]
+        balancer.pick(
+            cands, usable, None, prefix_blocks(f"tenant {t} ".encode() * 50, 128, 512), at=0.0
+        ).id  # type: ignore[union-attr]
         for t in range(400)
     )
     assert len(owners) == 4
@@ -315,7 +334,7 @@ def test_generation_change_clears_that_endpoints_prefix_state() -> None:
     cands = [Cand(f"e{i}") for i in range(3)]
     balancer = CacheAware[Cand](affinity_blocks=1)
     blocks = prefix_blocks(b"x" * 4096, 128, 512)
-    picked = balancer.pick(cands, usable, None, blocks)
+    picked = balancer.pick(cands, usable, None, blocks, at=0.0)
     assert picked is not None
     assert balancer.matched(picked, blocks) == len(blocks)
     others = [c for c in cands if c is not picked]
@@ -330,7 +349,7 @@ def test_generation_change_clears_prefix_state_property(
 ) -> None:
     balancer = CacheAware[Cand]()
     blocks = prefix_blocks(prompt, 32, 64)
-    picked = balancer.pick(cands, usable, None, blocks)
+    picked = balancer.pick(cands, usable, None, blocks, at=0.0)
     if picked is None or not blocks:
         return
     assert balancer.matched(picked, blocks) == len(blocks)
@@ -344,19 +363,19 @@ def test_what_this_router_sent_refines_the_rendezvous_choice() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](affinity_blocks=2)
     convo = b'[{"role":"system","content":"' + b"s" * 1000 + b'"}'
-    first = balancer.pick(cands, usable, None, prefix_blocks(convo + b"]", 128, 512))
+    first = balancer.pick(cands, usable, None, prefix_blocks(convo + b"]", 128, 512), at=0.0)
     assert first is not None
     # The same conversation grown by a turn goes where its beginning went, even when
     # another endpoint is as idle.
     longer = convo + b',{"role":"user","content":"' + b"u" * 600 + b'"}]'
     for _ in range(5):
-        assert balancer.pick(cands, usable, None, prefix_blocks(longer, 128, 512)) is first
+        assert balancer.pick(cands, usable, None, prefix_blocks(longer, 128, 512), at=0.0) is first
 
 
 def test_no_prefix_goes_to_the_least_loaded() -> None:
     cands = [Cand("a", load=5), Cand("b", load=1), Cand("c", load=3)]
     balancer = CacheAware[Cand]()
-    assert all(balancer.pick(cands, usable, None, ()).id == "b" for _ in range(20))  # type: ignore[union-attr]
+    assert all(balancer.pick(cands, usable, None, (), at=0.0).id == "b" for _ in range(20))  # type: ignore[union-attr]
 
 
 def test_make_balancer_takes_the_config() -> None:
@@ -436,15 +455,15 @@ def test_the_engine_that_holds_the_prompt_takes_it_whatever_the_router_sent() ->
     # This router never sent the prompt anywhere, but `other`'s engine reports it cached
     # (another router sent it, or this one restarted): it goes there.
     held = {other.id: 6, home.id: 1}
-    got = bal.pick(cands, lambda c: True, None, prefix, lambda c: held.get(c.id, 1))
+    got = bal.pick(cands, lambda c: True, None, prefix, lambda c: held.get(c.id, 1), at=0.0)
     assert got is other
     assert bal.engine_cache_picks == 1
     # What every engine holds (the chat template's head) makes no holder: home.
     fresh: CacheAware[Cand] = CacheAware(rng=random.Random(1))
-    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: 2) is home
+    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: 2, at=0.0) is home
     assert fresh.engine_cache_picks == 0
     # No engine reports its cache (-1): the router's own history decides, as before.
-    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: -1) is home
+    assert fresh.pick(cands, lambda c: True, None, prefix, lambda c: -1, at=0.0) is home
 
 
 @settings(max_examples=300, deadline=None)
@@ -461,7 +480,7 @@ def test_bounded_load_holds_with_the_engines_caches(
     bal: CacheAware[Cand] = CacheAware(rng=random.Random(0))
     cands = [Cand(f"e{i}", load=float(x), outstanding=x) for i, x in enumerate(loads)]
     by_id = {c.id: held[i] for i, c in enumerate(cands)}
-    got = bal.pick(cands, lambda c: True, None, tuple(prefix), lambda c: by_id[c.id])
+    got = bal.pick(cands, lambda c: True, None, tuple(prefix), lambda c: by_id[c.id], at=0.0)
     assert got is not None
     total = sum(c.load for c in cands)
     n = len(cands)

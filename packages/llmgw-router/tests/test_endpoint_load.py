@@ -31,11 +31,11 @@ def test_sends_and_finishes_after_the_reading_correct_it() -> None:
     # 2 running + 3 waiting (two of them from other routers) + 1 sent - 1 finished.
     assert ep.sent_since_report == 1
     assert ep.finished_since_report == 1
-    assert ep.load == 5.5
+    assert ep.load_at(time.monotonic()) == 5.5
     # Each completion seen by this router takes one off until the next reading.
     ep.finished(t0 + 0.03)
     ep.outstanding -= 1
-    assert ep.load == 4.5
+    assert ep.load_at(time.monotonic()) == 4.5
 
 
 def test_nothing_is_counted_apart_without_engine_figures() -> None:
@@ -51,7 +51,7 @@ def test_never_below_this_routers_own_in_flight_count() -> None:
     t0 = time.monotonic()
     ep.report(EngineLoad(running=0, waiting=0, measured_at=t0))
     ep.outstanding = 4  # four sent before the engine saw them, charged in an old report
-    assert ep.load == 4.0
+    assert ep.load_at(time.monotonic()) == 4.0
 
 
 def test_unknown_or_stale_figures_fall_back_to_own_counts() -> None:
@@ -61,10 +61,10 @@ def test_unknown_or_stale_figures_fall_back_to_own_counts() -> None:
     ep.sent(time.monotonic())
     assert ep.sent_since_report == 1
     ep.report(None)
-    assert ep.load == 3.0
+    assert ep.load_at(time.monotonic()) == 3.0
     assert ep.sent_since_report == 0
     ep.report(EngineLoad(running=9, measured_at=time.monotonic() - 10 * Endpoint.load_max_age))
-    assert ep.load == 3.0
+    assert ep.load_at(time.monotonic()) == 3.0
 
 
 @given(
@@ -85,4 +85,4 @@ def test_only_what_happened_after_the_reading_is_counted(
     finishes = sum(1 for at, s in events if not s and base + at > base + reading)
     assert ep.sent_since_report == sends
     assert ep.finished_since_report == finishes
-    assert ep.load == max(reported + sends - finishes, ep.outstanding)
+    assert ep.load_at(time.monotonic()) == max(reported + sends - finishes, ep.outstanding)

@@ -34,6 +34,12 @@ class Cand:
     pending: float = 0.0
     block_time: float = 0.0
 
+    def load_at(self, now: float) -> float:
+        return self.load
+
+    def pending_at(self, now: float) -> float:
+        return self.pending
+
 
 def usable(c: Cand) -> bool:
     return c.up
@@ -68,7 +74,7 @@ def test_placement_never_overfills_an_engine_while_another_has_room(
         # What the prompt would add there: its blocks the engine does not hold.
         adds = {c.id: len(prompt) - balancer.matched(c, prompt) for c in cands}
         held = any(balancer.matched(c, prompt) > balancer.affinity_blocks for c in cands)
-        picked = balancer.choose(cands, usable, None, prompt)
+        picked = balancer.choose(cands, usable, None, prompt, at=0.0)
         chosen = picked.endpoint
         assert chosen is not None
         if held or picked.reason == "hot_spread":
@@ -89,14 +95,14 @@ def test_tenants_fill_engines_to_their_caches_not_by_hashing() -> None:
     balancer = CacheAware[Cand](window=10_000)
     homes = {}
     for t in range(8):
-        pick = balancer.choose(cands, usable, None, tenant(t, size, tail=1))
+        pick = balancer.choose(cands, usable, None, tenant(t, size, tail=1), at=0.0)
         assert pick.endpoint is not None
         homes[t] = pick.endpoint.id
         assert pick.reason in ("rendezvous", "capacity")
     assert sorted(Counter(homes.values()).values()) == [2, 2, 2, 2]
     for k in range(2, 6):
         for t in range(8):
-            pick = balancer.choose(cands, usable, None, tenant(t, size, tail=k))
+            pick = balancer.choose(cands, usable, None, tenant(t, size, tail=k), at=0.0)
             assert pick.endpoint is not None
             assert (pick.endpoint.id, pick.reason) == (homes[t], "holder")
             assert pick.miss == 1  # the unique tail only
@@ -108,12 +114,12 @@ def test_what_no_longer_fits_is_no_longer_counted_as_held() -> None:
     size = 30
     cands = [Cand("only", cache_blocks=2 * size)]
     balancer = CacheAware[Cand]()
-    balancer.choose(cands, usable, None, tenant(0, size))
+    balancer.choose(cands, usable, None, tenant(0, size), at=0.0)
     assert balancer.matched(cands[0], tenant(0, size)) == size
-    balancer.choose(cands, usable, None, tenant(1, size))
-    balancer.choose(cands, usable, None, tenant(2, size))
+    balancer.choose(cands, usable, None, tenant(1, size), at=0.0)
+    balancer.choose(cands, usable, None, tenant(2, size), at=0.0)
     assert balancer.matched(cands[0], tenant(0, size)) == 0
-    assert balancer.choose(cands, usable, None, tenant(0, size)).miss == size
+    assert balancer.choose(cands, usable, None, tenant(0, size), at=0.0).miss == size
 
 
 # ----- predicted time to first token --------------------------------------------------------
@@ -126,17 +132,17 @@ def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_moving() -> N
     cands = [Cand(f"e{i}") for i in range(4)]
     balancer = CacheAware[Cand](slack=100.0)
     for t in range(6):  # others, so the tenant is not hot
-        balancer.choose(cands, usable, None, tenant(100 + t, size))
-    first = balancer.choose(cands, usable, None, tenant(0, size, tail=1))
+        balancer.choose(cands, usable, None, tenant(100 + t, size), at=0.0)
+    first = balancer.choose(cands, usable, None, tenant(0, size, tail=1), at=0.0)
     home = first.endpoint
     assert home is not None
     # Queued there: less than two prefills of the prompt more than elsewhere: it stays.
     home.pending = 2 * size - 1.0
-    pick = balancer.choose(cands, usable, None, tenant(0, size, tail=2))
+    pick = balancer.choose(cands, usable, None, tenant(0, size, tail=2), at=0.0)
     assert (pick.endpoint, pick.reason) == (home, "holder")
     # More than that: the least queued other takes it.
     home.pending = 2 * size + 5.0
-    pick = balancer.choose(cands, usable, None, tenant(0, size, tail=3))
+    pick = balancer.choose(cands, usable, None, tenant(0, size, tail=3), at=0.0)
     assert pick.endpoint is not home
     assert pick.reason == "predicted_ttft"
     assert pick.miss == size + 1
@@ -156,7 +162,7 @@ def test_a_new_prefix_goes_where_the_rules_say_whatever_the_queues(
     balancer = CacheAware[Cand](slack=1000.0)
     prompt = tenant(0, size)
     rule = balancer.ranking(cands, prompt)[0]
-    pick = balancer.choose(cands, usable, None, prompt)
+    pick = balancer.choose(cands, usable, None, prompt, at=0.0)
     assert (pick.endpoint, pick.reason) == (rule, "rendezvous")
 
 
@@ -166,23 +172,25 @@ def test_a_new_prefix_goes_where_the_rules_say_whatever_the_queues(
 def test_every_pick_says_why() -> None:
     cands = [Cand(f"e{i}") for i in range(4)]
     ca = CacheAware[Cand]()
-    assert ca.choose(cands, lambda c: False, None, (1, 2)) == Pick(None, "none")
-    assert ca.choose(cands[:1], usable, None, (1, 2)).reason == "only"
-    assert ca.choose(cands, usable, None, ()).reason == "least_loaded"
+    assert ca.choose(cands, lambda c: False, None, (1, 2), at=0.0) == Pick(None, "none")
+    assert ca.choose(cands[:1], usable, None, (1, 2), at=0.0).reason == "only"
+    assert ca.choose(cands, usable, None, (), at=0.0).reason == "least_loaded"
     for t in range(8):
-        ca.choose(cands, usable, None, tenant(t, 20))
-    assert ca.choose(cands, usable, None, tenant(0, 20, tail=1)).reason == "holder"
+        ca.choose(cands, usable, None, tenant(t, 20), at=0.0)
+    assert ca.choose(cands, usable, None, tenant(0, 20, tail=1), at=0.0).reason == "holder"
     home = ca.ranking(cands, tenant(9, 20))[0]
     home.load = 50.0  # over the bound
-    spilled = ca.choose(cands, usable, None, tenant(9, 20))
+    spilled = ca.choose(cands, usable, None, tenant(9, 20), at=0.0)
     assert (spilled.reason, spilled.endpoint is not home) == ("bound_spill", True)
     hot = CacheAware[Cand](window=16)
-    reasons = {hot.choose(cands, usable, None, tenant(1, 20, tail=k)).reason for k in range(20)}
+    reasons = {
+        hot.choose(cands, usable, None, tenant(1, 20, tail=k), at=0.0).reason for k in range(20)
+    }
     assert "hot_spread" in reasons
-    assert RoundRobin[Cand]().choose(cands, usable, None).reason == "round_robin"
-    assert LeastOutstanding[Cand]().choose(cands, usable, None).reason == "least_loaded"
-    assert SessionAffinity[Cand]().choose(cands, usable, "k").reason == "session"
-    assert SessionAffinity[Cand]().choose(cands, usable, None).reason == "least_loaded"
+    assert RoundRobin[Cand]().choose(cands, usable, None, at=0.0).reason == "round_robin"
+    assert LeastOutstanding[Cand]().choose(cands, usable, None, at=0.0).reason == "least_loaded"
+    assert SessionAffinity[Cand]().choose(cands, usable, "k", at=0.0).reason == "session"
+    assert SessionAffinity[Cand]().choose(cands, usable, None, at=0.0).reason == "least_loaded"
 
 
 @settings(max_examples=200, deadline=None)
@@ -198,7 +206,7 @@ def test_every_reason_is_a_known_one_and_the_miss_is_within_the_prompt(
     balancer = CacheAware[Cand](window=8)
     for k, t in enumerate(arrivals):
         prompt = tenant(t, 10 + t, tail=k + 1)
-        pick = balancer.choose(cands, usable, None, prompt)
+        pick = balancer.choose(cands, usable, None, prompt, at=0.0)
         assert pick.reason in REASONS
         assert 0 <= pick.miss <= len(prompt)
 
@@ -263,7 +271,7 @@ def test_the_bound_holds_whatever_the_queues_and_caches(
     ]
     balancer = CacheAware[Cand](epsilon=epsilon, slack=slack, window=8)
     for k, t in enumerate(arrivals):
-        pick = balancer.choose(cands, usable, None, tenant(t, 12, tail=k + 1))
+        pick = balancer.choose(cands, usable, None, tenant(t, 12, tail=k + 1), at=0.0)
         chosen = pick.endpoint
         assert chosen is not None
         total = sum(c.load for c in cands)

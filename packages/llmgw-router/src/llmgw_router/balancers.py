@@ -83,7 +83,9 @@ class Pick(Generic[C]):
 
 class Balancer(Generic[C]):
     """``cached``, with precise matching: per candidate, how many leading token blocks of
-    the request's prompt its engine reports cached, -1 where the engine reports none."""
+    the request's prompt its engine reports cached, -1 where the engine reports none.
+    ``at``: the time of the choice (``time.monotonic()``'s clock), what the candidates'
+    time-dependent figures are read at; a balancer never reads the clock itself."""
 
     def choose(
         self,
@@ -92,6 +94,8 @@ class Balancer(Generic[C]):
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
+        *,
+        at: float,
     ) -> Pick[C]:
         raise NotImplementedError
 
@@ -102,8 +106,10 @@ class Balancer(Generic[C]):
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
+        *,
+        at: float,
     ) -> C | None:
-        return self.choose(candidates, usable, key, prefix, cached).endpoint
+        return self.choose(candidates, usable, key, prefix, cached, at=at).endpoint
 
     def forget(self, endpoint_id: str) -> None:
         """The engine behind ``endpoint_id`` changed: drop what was learnt about it."""
@@ -154,6 +160,8 @@ class LeastOutstanding(Balancer[C]):
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
+        *,
+        at: float,
     ) -> Pick[C]:
         chosen = least_outstanding([c for c in candidates if usable(c)], self.rng)
         return Pick(chosen, "least_loaded" if chosen is not None else "none")
@@ -172,6 +180,8 @@ class RoundRobin(Balancer[C]):
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
+        *,
+        at: float,
     ) -> Pick[C]:
         ready = [c for c in candidates if usable(c)]
         if not ready:
@@ -214,6 +224,8 @@ class SessionAffinity(Balancer[C]):
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[C], int] | None = None,
+        *,
+        at: float,
     ) -> Pick[C]:
         if key:
             owner = rendezvous_owner(candidates, key)
@@ -224,8 +236,10 @@ class SessionAffinity(Balancer[C]):
 
 
 class LoadedCandidate(Candidate, Protocol):
-    @property
-    def load(self) -> float: ...
+    def load_at(self, now: float) -> float:
+        """The load the balancer weighs, at time ``now``."""
+        ...
+
     @property
     def awaiting_first(self) -> int: ...
     @property
@@ -235,9 +249,8 @@ class LoadedCandidate(Candidate, Protocol):
         """The engine's prefix cache, in prefix blocks; 0 when not known."""
         ...
 
-    @property
-    def pending(self) -> float:
-        """Prefix blocks queued for prefill ahead of a new request there."""
+    def pending_at(self, now: float) -> float:
+        """Prefix blocks queued for prefill ahead of a new request there, at time ``now``."""
         ...
 
     @property
@@ -523,6 +536,8 @@ class CacheAware(Balancer[L]):
         key: str | None,
         prefix: Sequence[int] = (),
         cached: Callable[[L], int] | None = None,
+        *,
+        at: float,
     ) -> Pick[L]:
         ready = [c for c in candidates if usable(c)]
         if not ready:
@@ -533,10 +548,10 @@ class CacheAware(Balancer[L]):
             if prefix:
                 miss = len(prefix) - self.matched(chosen, prefix)
         elif prefix:
-            at, reason, miss = self._pick_prefix(ready, prefix, cached)
-            chosen = ready[at]
+            i, reason, miss = self._pick_prefix(ready, prefix, cached, at)
+            chosen = ready[i]
         else:
-            per_load = [c.load / max(1, c.weight) for c in ready]
+            per_load = [c.load_at(at) / max(1, c.weight) for c in ready]
             least = min(per_load)
             chosen = self.rng.choice(
                 [c for c, load in zip(ready, per_load, strict=True) if load == least]
@@ -563,26 +578,34 @@ class CacheAware(Balancer[L]):
         return (out if any(out) else None), held
 
     def _costs(
-        self, ready: Sequence[L], miss: Sequence[int], room: Sequence[int | None]
+        self,
+        ready: Sequence[L],
+        miss: Sequence[int],
+        room: Sequence[int | None],
+        at: float,
     ) -> list[float]:
         """Per candidate, the predicted time to its first token (see the class docstring)."""
         out = []
         for c, m, free in zip(ready, miss, room, strict=True):
             rate = c.block_time
             t = rate if rate > 0 else self.block_time
-            cost = t * (c.pending + m)
+            cost = t * (c.pending_at(at) + m)
             if free is not None and m > free:
                 cost += t * min(m, m - free)
             out.append(cost)
         return out
 
     def _pick_prefix(
-        self, ready: Sequence[L], prefix: Sequence[int], cached: Callable[[L], int] | None = None
+        self,
+        ready: Sequence[L],
+        prefix: Sequence[int],
+        cached: Callable[[L], int] | None,
+        now: float,
     ) -> tuple[int, str, int]:
         """The chosen candidate's position, why, and its predicted prefill in blocks."""
         n = len(ready)
         size = len(prefix)
-        loads = [c.load for c in ready]
+        loads = [c.load_at(now) for c in ready]
         weights = [max(1, c.weight) for c in ready]
         per_load = [load / w for load, w in zip(loads, weights, strict=True)]
         depth = min(len(prefix), self.affinity_blocks)
@@ -671,7 +694,7 @@ class CacheAware(Balancer[L]):
             # first has room.
             if room is None:
                 room = self._room(ready)
-            costs = self._costs(ready, miss, room)
+            costs = self._costs(ready, miss, room, now)
             first_fits = (free := room[first]) is None or free >= miss[first]
             best, best_cost = first, costs[first]
             for i in ranking:

@@ -9,7 +9,6 @@ already picked an endpoint keeps that object to the end.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -161,11 +160,6 @@ class Endpoint:
         """The engine's KV cache in cache_aware's prefix blocks; 0: unknown."""
         return int(self.cache_tokens / self.block_tokens)
 
-    @property
-    def pending(self) -> float:
-        """:meth:`pending_at` now (for readers not yet given the clock)."""
-        return self.pending_at(time.monotonic())
-
     def pending_at(self, now: float) -> float:
         """Prefix blocks queued for prefill ahead of a new request here: this router's
         (predicted), plus, where the engine reports more requests waiting than this router
@@ -244,11 +238,6 @@ class Endpoint:
         if engine is None or now - engine.measured_at > self.max_age:
             return None
         return engine
-
-    @property
-    def load(self) -> float:
-        """:meth:`load_at` now (for readers not yet given the clock)."""
-        return self.load_at(time.monotonic())
 
     def load_at(self, now: float) -> float:
         """What the load-aware balancer weighs.

@@ -134,7 +134,7 @@ class Chooser:
             if not tier:
                 continue
             usable = state.usable_among(tier, at)
-            choice = balancer.choose(tier, usable, ctx.affinity_key, ctx.prefix, cached)
+            choice = balancer.choose(tier, usable, ctx.affinity_key, ctx.prefix, cached, at=at)
             ep = choice.endpoint
             if ep is not None:
                 # Charged at pick time: a burst between two load reports spreads.
