@@ -20,6 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from llmgw_proto.prompts import PromptEncoder
 from llmgw_proto.token_blocks import block_hash, token_block_hashes
 from llmgw_router.tokens import (
     PromptTokenizer,
@@ -208,12 +209,15 @@ def test_the_cached_path_gives_the_tokens_of_a_full_tokenization_turn_after_turn
     tok = PromptTokenizer(
         folders[name], TokenCache(cache_bytes), off_loop_chars=0 if off_loop else 1 << 30
     )
+    encoder = PromptEncoder(folders[name])
     for turn in range(1, len(conversation) + 1):
         messages = conversation[:turn]
         text = tok.render(messages)
         assert text is not None
         expected = tok.full(text)
         assert list(tok.chat(messages) or []) == expected
+        # The shared encoder the simulator uses (no cache): the same ids.
+        assert encoder.chat(messages) == expected
         assert list(asyncio.run(tok.chat_async(messages)) or []) == expected
         # A second time: from the cache alone.
         assert list(tok.chat(messages) or []) == expected

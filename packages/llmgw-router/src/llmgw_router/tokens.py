@@ -17,7 +17,9 @@ give the blocks the engines report cached. It renders as vLLM's OpenAI server do
 
 Anything it cannot render (a template error, a field it does not know) gives None: the
 router then matches that request approximately, on its own prompt bytes, as without a
-tokenizer. Needs the ``precise`` extra (``tokenizers`` and ``jinja2``).
+tokenizer. Needs the ``precise`` extra (``tokenizers`` and ``jinja2``). The folder's
+loading, the rendering and the plain encoding are :mod:`llmgw_proto.prompts`' (shared with
+llmgw-sim's ``--tokenizer``); this module adds the cache and the block hashes.
 
 Each prompt prefix is tokenized once (:class:`TokenCache`). A rendered chat is cut into
 segments just before each *boundary token*: an added token of the tokenizer (``<|im_start|>``,
@@ -45,8 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import os
 import re
 import sys
 from array import array
@@ -56,6 +56,7 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from llmgw_proto.prompts import PromptEncoder, TokenizerError, token_list
 from llmgw_proto.token_blocks import block_hash, token_block_hashes
 
 __all__ = [
@@ -82,18 +83,6 @@ Tokens: TypeAlias = "array[int]"
 
 # What one cached segment costs besides its text and its tokens (key, entry, dict slot).
 _ENTRY_OVERHEAD = 200
-
-
-class TokenizerError(Exception):
-    """A tokenizer folder that cannot be used: names what is missing or wrong."""
-
-
-def _token_text(value: object) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
 
 
 def boundary_tokens(tokenizer: Any, among: AbstractSet[str] | None = None) -> list[str]:
@@ -249,66 +238,10 @@ class PromptTokenizer:
         *,
         off_loop_chars: int = OFF_LOOP_CHARS,
     ) -> None:
-        try:
-            import jinja2.sandbox
-            from tokenizers import Tokenizer
-        except ImportError as err:
-            raise TokenizerError(
-                f"precise matching needs the tokenizers and jinja2 packages ({err.name} is "
-                "missing): pip install 'llmgw-router[precise]'"
-            ) from None
-        # One request's segments are a few small texts: spreading them over the tokenizers
-        # thread pool costs more CPU than it saves, and the router's parallelism is its
-        # workers. (Read at each encoding; a value the operator set stays.)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(f"no tokenizer.json in {folder}")
-        try:
-            self._tokenizer = Tokenizer.from_file(str(path))
-        except Exception as err:
-            raise TokenizerError(f"{path} is not a tokenizers file: {err}") from None
-        config: dict[str, Any] = {}
-        config_path = folder / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                loaded = json.loads(config_path.read_text())
-            except (OSError, ValueError) as err:
-                raise TokenizerError(f"{config_path} is not JSON: {err}") from None
-            if isinstance(loaded, dict):
-                config = loaded
-        template = config.get("chat_template")
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        jinja_file = folder / "chat_template.jinja"
-        if jinja_file.is_file():
-            template = jinja_file.read_text()
-        self._special = {
-            name: text
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-            if (text := _token_text(config.get(name))) is not None
-        }
-        self._render: Callable[..., str] | None = None
-        if isinstance(template, str):
-
-            def raise_exception(message: str) -> None:
-                raise jinja2.exceptions.TemplateError(message)
-
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, ensure_ascii=False, indent=indent
-            )
-            env.globals["raise_exception"] = raise_exception
-            try:
-                self._render = env.from_string(template).render
-            except jinja2.exceptions.TemplateError as err:
-                raise TokenizerError(
-                    f"the chat template in {folder} does not compile: {err}"
-                ) from None
-        self._template_error: type[Exception] = jinja2.exceptions.TemplateError
+        self._prompts = PromptEncoder(folder)
+        self._tokenizer = self._prompts.tokenizer
+        template = self._prompts.template
+        self._special = self._prompts.special
 
         self._cache = cache if cache is not None else TokenCache(DEFAULT_CACHE_BYTES)
         self._off_loop_chars = off_loop_chars
@@ -327,12 +260,7 @@ class PromptTokenizer:
         return [a.content for a in self._tokenizer.get_added_tokens_decoder().values()]
 
     def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        # The batch encoder without offsets: a third of `encode`'s time (2,900 gemma-3
-        # tokens: 1.7 against 4.9 ms here), the same ids.
-        return [
-            e.ids
-            for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        ]
+        return self._prompts.encode_batch(texts, add_special_tokens)
 
     def full(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """``text`` encoded whole, without the cache (what the cached path must equal)."""
@@ -386,7 +314,7 @@ class PromptTokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return self._render is not None
+        return self._prompts.has_chat_template
 
     def chat(self, messages: object) -> Tokens | None:
         """The token ids vLLM's chat endpoint gives ``messages``; None when not known here."""
@@ -404,28 +332,7 @@ class PromptTokenizer:
 
     def render(self, messages: object) -> str | None:
         """``messages`` rendered by the chat template as vLLM does; None when not known."""
-        if self._render is None or not isinstance(messages, list):
-            return None
-        conversation = []
-        for message in messages:
-            if not isinstance(message, dict):
-                return None
-            content = message.get("content")
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        return None
-                    texts.append(str(part.get("text", "")))
-                message = {**message, "content": "\n".join(texts)}
-            conversation.append(message)
-        try:
-            text = self._render(
-                messages=conversation, add_generation_prompt=True, tools=None, **self._special
-            )
-        except (self._template_error, TypeError, ValueError):
-            return None
-        return text
+        return self._prompts.render(messages)
 
     def completion(self, prompt: object) -> Tokens | None:
         """The token ids vLLM's completion endpoint gives ``prompt``; None when not known."""
@@ -443,11 +350,8 @@ class PromptTokenizer:
 
 
 def _token_list(prompt: object) -> Tokens | None:
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt
-    ):
-        return array("I", prompt)
-    return None
+    ids = token_list(prompt)
+    return None if ids is None else array("I", ids)
 
 
 class PromptBlocks:

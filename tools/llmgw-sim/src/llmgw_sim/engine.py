@@ -4,14 +4,16 @@ each engine kind words its errors (auth, loading, unknown model, context, inject
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
+from llmgw_proto.prompts import PromptEncoder, TokenizerError
 
 from llmgw_sim import kvevents, metrics
 from llmgw_sim.config import EngineConfig, StartupError
@@ -21,9 +23,6 @@ from llmgw_sim.knobs import FAILURE_TYPES
 from llmgw_sim.model import TOKEN_COUNT_CAP, BatchSlots, PrefixCache, Timing, Vocabulary
 from llmgw_sim.protocol import Generation
 from llmgw_sim.scheduler import Scheduler, SchedulerConfig, StepCosts, StepPlan
-
-if TYPE_CHECKING:
-    from llmgw_router.tokens import PromptTokenizer
 
 ERROR_HEADER = "X-Sim-Error"
 ERROR_MESSAGE_HEADER = "X-Sim-Error-Message"
@@ -368,15 +367,15 @@ class Engine:
         return f"{prefix}{self._id_prefix}{self._next_rid:010x}"
 
 
-def _load_tokenizer(folder: str) -> PromptTokenizer:
-    """--tokenizer's folder, rendered and encoded as llmgw-router does (its `precise` extra)."""
-    try:
-        from llmgw_router.tokens import PromptTokenizer, TokenizerError
-    except ImportError:
+def _load_tokenizer(folder: str) -> PromptEncoder:
+    """--tokenizer's folder, rendered and encoded as vLLM does (llmgw-proto's `precise` extra)."""
+    missing = [name for name in ("tokenizers", "jinja2") if importlib.util.find_spec(name) is None]
+    if missing:
         raise StartupError(
-            "ImportError", "--tokenizer needs llmgw-router[precise] installed"
-        ) from None
+            "ImportError",
+            f"--tokenizer needs {' and '.join(missing)}: pip install 'llmgw-proto[precise]'",
+        )
     try:
-        return PromptTokenizer(Path(folder))
+        return PromptEncoder(Path(folder))
     except TokenizerError as err:
         raise StartupError("OSError", f"--tokenizer {folder}: {err}") from None
