@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llmgw_router.balancers import (
+from llmgw_router.balancing import (
     Balancer,
     LeastOutstanding,
     RoundRobin,

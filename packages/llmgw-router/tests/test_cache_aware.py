@@ -11,9 +11,9 @@ from typing import Any
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from llmgw_router.balancers import CacheAware, make_balancer
+from llmgw_router.balancing import CacheAware, make_balancer
+from llmgw_router.balancing.prefix import prefix_blocks, prompt_text
 from llmgw_router.config import CacheAwareConfig
-from llmgw_router.prefix import prefix_blocks, prompt_text
 
 
 @dataclass

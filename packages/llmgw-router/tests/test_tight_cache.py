@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llmgw_router.balancers import (
+from llmgw_router.balancing import (
     REASONS,
     CacheAware,
     LeastOutstanding,

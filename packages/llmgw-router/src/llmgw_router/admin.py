@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmgw_router.balancers import CacheAware
+from llmgw_router.balancing import CacheAware
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.state import RouterState
 from llmgw_router.tokens import PromptBlocks

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from llmgw_router.balancers import Balancer, make_balancer
+from llmgw_router.balancing import Balancer, make_balancer
 from llmgw_router.budget import RetryBudget
 from llmgw_router.config import RouterConfig
 from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSet, EngineLoad

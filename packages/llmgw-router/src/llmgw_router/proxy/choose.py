@@ -15,9 +15,9 @@ import math
 import msgspec
 import structlog
 
+from llmgw_router.balancing.prefix import prefix_blocks, prompt_text
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError
-from llmgw_router.prefix import prefix_blocks, prompt_text
 from llmgw_router.proxy.context import Headers, RequestContext
 from llmgw_router.proxy.parse import RequestHead, RequestHeadWithPrompt
 from llmgw_router.retry import retry_tiers

@@ -1,0 +1,428 @@
+"""The cache-aware balancer: prefix affinity bounded by load (the default)."""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from llmgw_router.balancing.base import Balancer, L, Pick
+from llmgw_router.balancing.index import MASK, PrefixIndex
+from llmgw_router.balancing.model import cache_room, ttft_costs
+
+__all__ = ["CacheAware"]
+
+
+class CacheAware(Balancer[L]):
+    """Prefix affinity bounded by load: the default balancer.
+
+    - Affinity: the request's prefix blocks (chained hashes of its prompt, see prefix.py)
+      rank the endpoints by rendezvous hashing of the block at depth ``affinity_blocks``
+      (or the last, for shorter prompts), so routers that never talk agree on where a
+      prefix goes. What this router itself sent refines that: endpoints that were sent
+      more of this prefix than the rendezvous block covers (its holders) rank first, the
+      longer match first, equals in rendezvous order (so a prefix stays where it is).
+      A prefix sent nowhere yet goes to its first rendezvous choice whatever the loads
+      (within the bound), so every router places it alike (routers share the engines'
+      figures but each adds only its own sends since: a load-dependent first placement
+      had four routers cache a tenant on two engines); where over 3 in 4 recent picks
+      carried distinct prefixes (nothing recurs), to the least loaded endpoint of all. A
+      prefix held only away from its first choice (it spilled there) goes back once that
+      one is no more loaded than the holder, so routers that placed it apart converge.
+    - Demand: the share ``s`` of this router's last ``window`` picks that carried the
+      prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
+      ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
+      first ``need`` rendezvous choices and its holders, the least loaded of them first
+      (equals in turn): one hot prefix spreads over as many replicas as its load needs, in
+      the same order on every router.
+    - Load: each candidate's ``load`` (the engine's running + waiting requests and KV use
+      when read, corrected by this router's sends and completions since; or this router's
+      own in-flight count when the engine's figures are unknown or stale). Where load
+      alone decides (a hot prefix's spread, prompts that share nothing), ``awaiting_first``
+      comes first: this router's requests there still without a first byte (queued or in
+      prefill, what a new request's first token waits behind).
+    - Bounded load: the first endpoint of that ranking takes the request when its load,
+      with this request, stays within ``ceil((1 + epsilon) * (total + 1) * weight /
+      total_weight) + slack * weight / mean_weight``; the absolute ``slack`` (requests)
+      keeps affinity at the small in-flight counts where one request more is already 25 %
+      over the mean. The bound counts requests: the KV-cache fraction of a load orders
+      endpoints but never tips one over. Over the bound, the least loaded holder within
+      it takes the request (a cache hit still), else the next endpoint of the ranking
+      within it (rendezvous order: every router spills a prefix to the same second home,
+      which then holds it), else the least loaded.
+    - Capacity: where an engine's cache size is known (``cache_blocks``, in prefix
+      blocks), what this router remembers sending there is an LRU of that size (what it
+      drops, the engine has most likely evicted: a prefix that no longer fits is no
+      longer counted as held), and a new prefix's home is the first of its rendezvous
+      choices whose live prefixes (blocks sent within the last ``window`` picks) still
+      leave room for it; where none has room, its first rendezvous choice.
+    - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
+      block_time * evicted``: the prefill queued there, the prompt's blocks it does not
+      hold, and the live blocks of other prefixes this one would push out of a full cache
+      (each a prefill again later). Within the bound, another endpoint takes a held
+      prefix's request from its holder only where its prediction is lower by more than
+      the extra prefill the move puts in its queue, and only among those with room where
+      the holder has room: a holder keeps its prefix until its queue costs more than
+      twice the prefill elsewhere. A new prefix is never placed by the predictions (its
+      home is a rule every router applies alike).
+    - Without a prefix (embeddings), the least loaded takes it.
+
+    Every pick returns its reason (:data:`REASONS`) and the prompt's blocks the chosen
+    engine is predicted to prefill (``Pick.miss``).
+
+    An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
+    """
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = 0.25,
+        slack: float = 3.0,
+        affinity_blocks: int = 8,
+        index_blocks: int = 16384,
+        window: int = 256,
+        block_time: float = 0.0064,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.epsilon = epsilon
+        # The prior for a candidate that has no learned rate: seconds per prefix block.
+        self.block_time = block_time
+        self._tick = 0
+        self.slack = slack
+        self.affinity_blocks = affinity_blocks
+        self.index_blocks = index_blocks
+        self.window = max(1, window)
+        self.rng = rng or random.Random()
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._id_hashes: dict[str, int] = {}
+        self._turn = 0
+        self._recent: deque[int] = deque()
+        self._recent_counts: dict[int, int] = {}
+        # Picks where the engines' reported caches named the holders (precise matching).
+        self.engine_cache_picks = 0
+
+    # -------------------------------------------------------------- prefix state
+
+    def forget(self, endpoint_id: str) -> None:
+        self._indexes.pop(endpoint_id, None)
+
+    def remembered(self, endpoint_id: str) -> int:
+        index = self._indexes.get(endpoint_id)
+        return len(index.blocks) if index is not None else 0
+
+    def _index(self, c: L) -> PrefixIndex | None:
+        index = self._indexes.get(c.id)
+        if index is not None and index.generation != c.generation:
+            del self._indexes[c.id]
+            return None
+        return index
+
+    def matched(self, c: L, prefix: Sequence[int]) -> int:
+        """Leading blocks of ``prefix`` this router sent to ``c`` (its current engine)."""
+        index = self._index(c)
+        return index.match(prefix) if index is not None else 0
+
+    def _record(self, c: L, prefix: Sequence[int]) -> None:
+        if not prefix or self.index_blocks <= 0:
+            return
+        index = self._index(c)
+        if index is None:
+            if len(self._indexes) >= 4096:
+                # Endpoints come and go; the oldest entry is the likeliest to be gone.
+                self._indexes.pop(next(iter(self._indexes)))
+            index = self._indexes[c.id] = PrefixIndex(c.generation)
+        self._tick += 1
+        capacity = c.cache_blocks
+        limit = min(self.index_blocks, capacity) if capacity > 0 else self.index_blocks
+        index.record(prefix, max(1, limit), self._tick)
+
+    def footprint(self, c: L) -> int:
+        """Prefix blocks this router sent to ``c`` within the last ``window`` picks and
+        still in its (modelled) cache: its live prefixes."""
+        index = self._index(c)
+        return index.footprint(self._tick - self.window + 1) if index is not None else 0
+
+    def _ident(self, endpoint_id: str) -> int:
+        ident = self._id_hashes.get(endpoint_id)
+        if ident is None:
+            raw = endpoint_id.encode()
+            ident = self._id_hashes[endpoint_id] = zlib.crc32(raw) | (zlib.adler32(raw) << 32)
+        return ident
+
+    def share(self, key: int) -> float:
+        """The share of the recent picks (this one included) whose rendezvous block is ``key``."""
+        recent, counts = self._recent, self._recent_counts
+        recent.append(key)
+        counts[key] = counts.get(key, 0) + 1
+        if len(recent) > self.window:
+            old = recent.popleft()
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+        # Until the window fills, as if the rest of it were other prefixes (16 at least),
+        # so the first requests of a run do not all look hot.
+        return counts[key] / max(len(recent), min(16, self.window))
+
+    # -------------------------------------------------------------- the pick
+
+    def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
+        """``ready`` in rendezvous order for ``prefix`` (no history, no load): the same on
+        every router."""
+        depth = min(len(prefix), self.affinity_blocks)
+        return [ready[i] for i in self._rendezvous(ready, prefix[depth - 1])]
+
+    def _rendezvous(self, ready: Sequence[L], key: int) -> list[int]:
+        weights = [c.weight for c in ready]
+        uniform = all(w == weights[0] for w in weights)
+        scored: list[tuple[float, str, int]] = []
+        for i, c in enumerate(ready):
+            # splitmix64 of the block and the endpoint, inlined (see index.mix).
+            x = ((key ^ self._ident(c.id)) + 0x9E3779B97F4A7C15) & MASK
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+            mixed = x ^ (x >> 31)
+            # Weighted rendezvous: weight / -ln(u); at equal weights the order of u is enough.
+            score = (
+                float(mixed) if uniform else max(1, c.weight) / -math.log((mixed + 1) / (2**64 + 2))
+            )
+            scored.append((score, c.id, i))
+        scored.sort(reverse=True)
+        return [r[2] for r in scored]
+
+    def _matches(
+        self, ready: Sequence[L], prefix: Sequence[int], depth: int
+    ) -> tuple[list[int], list[int]]:
+        """Per candidate: leading blocks of ``prefix`` sent there, 0 when no more than the
+        rendezvous block covers (there hashing decides); and the same without that floor."""
+        out = [0] * len(ready)
+        raw = [0] * len(ready)
+        indexes = self._indexes
+        for i, c in enumerate(ready):
+            index = indexes.get(c.id)
+            if index is None:
+                continue
+            if index.generation != c.generation:
+                del indexes[c.id]
+                continue
+            match = raw[i] = index.match(prefix)
+            if match > depth:
+                out[i] = match
+        return out, raw
+
+    def bound(self, load_total: float, weight: int, weight_total: int, n: int) -> float:
+        """The most load an endpoint of ``weight`` may have with this request on it."""
+        share = (load_total + 1.0) * weight / weight_total
+        return math.ceil((1.0 + self.epsilon) * share) + self.slack * weight * n / weight_total
+
+    def choose(
+        self,
+        candidates: Sequence[L],
+        usable: Callable[[L], bool],
+        key: str | None,
+        prefix: Sequence[int] = (),
+        cached: Callable[[L], int] | None = None,
+        *,
+        at: float,
+    ) -> Pick[L]:
+        ready = [c for c in candidates if usable(c)]
+        if not ready:
+            return Pick(None, "none")
+        miss = 0
+        if len(ready) == 1:
+            chosen, reason = ready[0], "only"
+            if prefix:
+                miss = len(prefix) - self.matched(chosen, prefix)
+        elif prefix:
+            i, reason, miss = self._pick_prefix(ready, prefix, cached, at)
+            chosen = ready[i]
+        else:
+            per_load = [c.load_at(at) / max(1, c.weight) for c in ready]
+            least = min(per_load)
+            chosen = self.rng.choice(
+                [c for c, load in zip(ready, per_load, strict=True) if load == least]
+            )
+            reason = "least_loaded"
+        self._record(chosen, prefix)
+        return Pick(chosen, reason, miss)
+
+    @staticmethod
+    def _engine_matches(
+        ready: Sequence[L], cached: Callable[[L], int]
+    ) -> tuple[list[int] | None, list[int]]:
+        """Per candidate, its engine's cached blocks of the prompt beyond what every
+        reporting engine holds (a shared head, the chat template's, makes no holder);
+        None when no engine reports its cache or none holds more than the rest. And the
+        blocks each reports cached (0 where it reports none)."""
+        reported = [cached(c) for c in ready]
+        held = [max(0, m) for m in reported]
+        views = [m for m in reported if m >= 0]
+        if not views:
+            return None, held
+        floor = min(views) if len(views) == len(reported) else 0
+        out = [max(0, m - floor) for m in reported]
+        return (out if any(out) else None), held
+
+    def _pick_prefix(
+        self,
+        ready: Sequence[L],
+        prefix: Sequence[int],
+        cached: Callable[[L], int] | None,
+        now: float,
+    ) -> tuple[int, str, int]:
+        """The chosen candidate's position, why, and its predicted prefill in blocks."""
+        n = len(ready)
+        size = len(prefix)
+        loads = [c.load_at(now) for c in ready]
+        weights = [max(1, c.weight) for c in ready]
+        per_load = [load / w for load, w in zip(loads, weights, strict=True)]
+        depth = min(len(prefix), self.affinity_blocks)
+        block = prefix[depth - 1]
+        self._turn += 1
+        order = self._rendezvous(ready, block)
+        # Precise: where the engines report their caches and one holds more of this
+        # prompt than the others, that is what holds it; else what this router sent.
+        engine: list[int] | None = None
+        if cached is not None:
+            engine, held = self._engine_matches(ready, cached)
+        if engine is not None:
+            self.engine_cache_picks += 1
+            match = engine
+        else:
+            match, held = self._matches(ready, prefix, depth)
+        miss = [size - min(size, h) for h in held]
+        # Holders: the longer match first, equals in rendezvous order (sort is stable).
+        holders = sorted((i for i in order if match[i]), key=lambda i: -match[i])
+        need = min(n, math.ceil(self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
+        room: list[int | None] | None = None
+        new = False
+        if need > 1:
+            # A hot prefix: its first `need` rendezvous choices and its holders, least
+            # loaded first, equals in turn (a counter: two routers with one history agree).
+            group = set(order[:need]).union(holders)
+            queue = self._queue(ready, weights, per_load)
+            spread = sorted((i for i in order if i in group), key=queue.__getitem__)
+            tied = [i for i in spread if queue[i] == queue[spread[0]]]
+            turn = self._turn % len(tied)
+            ranking = tied[turn:] + tied[:turn] + spread[len(tied) :]
+            ranking += [i for i in order if i not in group]
+            reason = "hot_spread"
+        else:
+            rest = [i for i in order if not match[i]]
+            if not holders:
+                # A prefix this router has not sent anywhere yet: its first rendezvous
+                # choice with room for it, whatever the loads (the bound and the
+                # predicted times below aside), so every router of a fleet places it
+                # alike. Where prompts share nothing (nothing recurs, nothing to agree
+                # on): the least loaded first, ties in rendezvous order.
+                if self._mostly_distinct():
+                    rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
+                    ranking, reason = rest, "distinct"
+                else:
+                    room = cache_room(ready, self.footprint)
+                    fits = [i for i in rest if (free := room[i]) is None or free >= miss[i]]
+                    if fits and fits[0] != rest[0]:
+                        rest = fits + [i for i in rest if i not in fits]
+                    ranking = rest
+                    reason = "rendezvous" if ranking[0] == order[0] else "capacity"
+                    new = True
+            elif (
+                engine is None
+                and not match[home := order[0]]
+                and per_load[home] <= per_load[holders[0]]
+                and (
+                    (free := (room := cache_room(ready, self.footprint))[home]) is None
+                    or free >= miss[home]
+                )
+            ):
+                # Held elsewhere but not at its first rendezvous choice (it went to the
+                # second when home was over the bound, or another router sent it
+                # there): home again once home is no more loaded than the holder. Every
+                # router of a fleet then converges on one home for the prefix, and the
+                # copies elsewhere age out of those caches. (Where the engines report
+                # their caches, every router sees the same holder: it stays there. And
+                # not where home has no room for it: capacity placed it away from home.)
+                ranking = [home, *holders, *(i for i in rest if i != home)]
+                reason = "home_again"
+            else:
+                ranking = holders + rest
+                reason = "engine_cache" if engine is not None else "holder"
+        total = sum(loads)
+        weight_total = sum(weights)
+        first = ranking[0]
+        if self.within(loads[first], total, weights[first], weight_total, n):
+            if new or reason in ("hot_spread", "distinct", "home_again"):
+                # Rules every router applies alike (a new prefix's home, the spread of a
+                # hot prefix, the way back to a prefix's first choice) or where nothing
+                # recurs. (Placing a new prefix by this router's own queues placed it
+                # apart from the other routers': 62-73 % hits through 4 routers in a
+                # tight cache, against 77-88 % without.)
+                return first, reason, miss[first]
+            # Predicted time to first token: another endpoint within the bound takes a
+            # held prefix where it would answer sooner by more than the move costs
+            # besides: the extra prefill it puts in that endpoint's queue (what comes
+            # after it there waits for it too); among those with room for it where the
+            # first has room.
+            if room is None:
+                room = cache_room(ready, self.footprint)
+            costs = ttft_costs(ready, miss, room, now, self.block_time)
+            first_fits = (free := room[first]) is None or free >= miss[first]
+            best, best_cost = first, costs[first]
+            for i in ranking:
+                if i == first or not self.within(loads[i], total, weights[i], weight_total, n):
+                    continue
+                if first_fits and (free := room[i]) is not None and free < miss[i]:
+                    continue
+                rate = ready[i].block_time
+                extra = max(0, miss[i] - miss[first])
+                cost = costs[i] + (rate if rate > 0 else self.block_time) * extra
+                if cost < best_cost:
+                    best, best_cost = i, cost
+            if best != first:
+                return best, "predicted_ttft", miss[best]
+            return first, reason, miss[first]
+        # Over the bound: the least loaded holder within it (the prefix is cached there),
+        # else the next of the ranking within it (in rendezvous order, so every router
+        # spills a prefix to the same second home, which then holds it), else the least
+        # loaded of all; ties go to the earlier in the ranking.
+        within = [i for i in ranking if self.within(loads[i], total, weights[i], weight_total, n)]
+        held_within = [i for i in within if match[i]]
+        if held_within:
+            at = min(held_within, key=per_load.__getitem__)
+            return at, "bound_holder", miss[at]
+        if within:
+            return within[0], "bound_spill", miss[within[0]]
+        at = min(ranking, key=per_load.__getitem__)
+        return at, "bound_least_loaded", miss[at]
+
+    @staticmethod
+    def _queue(
+        ready: Sequence[L], weights: Sequence[int], per_load: Sequence[float]
+    ) -> list[tuple[float, float]]:
+        """Per candidate, where load alone decides (a hot prefix's spread, prompts that
+        share nothing): first the requests still waiting for their first byte (queued or
+        in prefill: what a new request's first token waits behind; a decoding request
+        costs it little), then the load. Built only on those paths, not on every pick."""
+        return [
+            (c.awaiting_first / w, load)
+            for c, w, load in zip(ready, weights, per_load, strict=True)
+        ]
+
+    def _mostly_distinct(self) -> bool:
+        """Whether over 3 in 4 of the recent picks carried distinct prefixes (once the
+        window is a quarter full): prompts that share nothing, where a new one will not
+        recur and only load matters."""
+        recent = len(self._recent)
+        return recent >= self.window // 4 and 4 * len(self._recent_counts) > 3 * recent
+
+    def within(
+        self, load: float, load_total: float, weight: int, weight_total: int, n: int
+    ) -> bool:
+        """Whether an endpoint of ``load`` stays within the bound with one more request.
+
+        The bound counts requests: a load's fraction (the engine's KV-cache use, 0..1)
+        orders endpoints with as many requests, but never pushes one over the bound."""
+        return math.floor(load) + 1.0 <= self.bound(load_total, weight, weight_total, n)
