@@ -1,4 +1,5 @@
-"""Fixtures: real upstream engines and a real `llmgw-router serve`, each its own process.
+"""Fixtures: real upstream engines and a real `llmgw-router serve`, each its own process;
+the scripted control plane is llmgw_testkit.fake_control.
 
 Run as a script, this file is a tiny OpenAI-compatible upstream (aiohttp.web) with
 knobs the tests need and the simulator may not have: scripted failures, a stats
@@ -8,7 +9,6 @@ endpoint that counts cancelled requests, and its id in every answer.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import sys
 import time
@@ -182,161 +182,8 @@ def _upstream_main(argv: list[str]) -> None:
     )
 
 
-# ---------------------------------------------------------------- the control-plane script
-
-
-def _control_main(argv: list[str]) -> None:
-    """A scripted control plane: serves `EndpointService` on real gRPC.
-
-    It publishes the snapshot in ``--snapshot`` (JSON: version, endpoints, models) on
-    subscribe and again whenever the file changes, streams the load figures in
-    ``--loads`` (JSON: a list of EndpointLoad fields) as full updates every 100 ms while
-    the file exists, prints each subscription and each demand report. With ``--leader
-    ADDR`` it is a standby: every call gets UNAVAILABLE with ``llmgw-leader: ADDR``.
-    """
-    import argparse
-
-    import grpclib.const
-    from grpclib.server import Server, Stream
-    from llmgw_proto.v1 import (
-        DeclaredModel,
-        DemandReply,
-        DemandRequest,
-        Endpoint,
-        EndpointLoad,
-        EndpointServiceBase,
-        EndpointSnapshot,
-        LoadUpdate,
-        WatchRequest,
-    )
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--snapshot", type=Path, required=True)
-    parser.add_argument("--loads", type=Path)
-    parser.add_argument("--leader")
-    parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CA"), type=Path)
-    args = parser.parse_args(argv)
-
-    def read() -> tuple[str, EndpointSnapshot | None]:
-        try:
-            text = args.snapshot.read_text()
-        except FileNotFoundError:
-            return "", None
-        data = json.loads(text)
-        return text, EndpointSnapshot(
-            version=data["version"],
-            endpoints=[
-                Endpoint(
-                    id=ep["id"],
-                    url=ep["url"],
-                    served_model_names=ep["models"],
-                    model=ep["models"][0],
-                    profile=ep.get("profile", "default"),
-                    weight=ep.get("weight", 1),
-                    node_id=ep.get("node_id", ""),
-                    replica_id=ep.get("replica_id", ""),
-                    health_path="/health",
-                    generation=ep.get("generation", 0),
-                )
-                for ep in data["endpoints"]
-            ],
-            models=[
-                DeclaredModel(
-                    name=m["name"],
-                    served_model_names=m.get("served_model_names", [m["name"]]),
-                    scale_to_zero=m.get("scale_to_zero", False),
-                )
-                for m in data.get("models", [])
-            ],
-        )
-
-    def read_loads() -> LoadUpdate | None:
-        if args.loads is None:
-            return None
-        try:
-            items = json.loads(args.loads.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return LoadUpdate(
-            full=True,
-            loads=[
-                EndpointLoad(
-                    endpoint_id=item["endpoint_id"],
-                    known=item.get("known", True),
-                    running=item.get("running", 0),
-                    waiting=item.get("waiting", 0),
-                    kv_cache_usage=item.get("kv_cache_usage", 0.0),
-                    generation=item.get("generation", 0),
-                    age=datetime.timedelta(seconds=item.get("age", 0.0)),
-                )
-                for item in items
-            ],
-        )
-
-    class Scripted(EndpointServiceBase):
-        async def watch(self, message: WatchRequest) -> Any:
-            print(
-                f"subscribed router_id={message.router_id} known_version={message.known_version}",
-                flush=True,
-            )
-            sent = ""
-            while True:
-                text, snapshot = read()
-                if snapshot is not None and text != sent:
-                    sent = text
-                    print(f"published version={snapshot.version}", flush=True)
-                    yield snapshot
-                await asyncio.sleep(0.05)
-
-        async def watch_load(self, message: WatchRequest) -> Any:
-            print(f"load subscribed router_id={message.router_id}", flush=True)
-            while True:
-                update = read_loads()
-                if update is not None:
-                    yield update
-                await asyncio.sleep(0.1)
-
-        async def report_demand(self, message: DemandRequest) -> DemandReply:
-            print(f"demand model={message.model} held={message.held}", flush=True)
-            return DemandReply(accepted=True)
-
-    class Standby:
-        """Answers every call UNAVAILABLE and names the leader in trailing metadata."""
-
-        def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-            async def refuse(stream: Stream[Any, Any]) -> None:
-                await stream.recv_message()
-                print("refused as standby", flush=True)
-                await stream.send_trailing_metadata(
-                    status=grpclib.const.Status.UNAVAILABLE,
-                    status_message="standby",
-                    metadata={"llmgw-leader": args.leader},
-                )
-
-            real = Scripted().__mapping__()
-            return {
-                route: grpclib.const.Handler(refuse, h.cardinality, h.request_type, h.reply_type)
-                for route, h in real.items()
-            }
-
-    async def serve() -> None:
-        from llmgw_proto.tls import server_context
-
-        server = Server([Standby() if args.leader else Scripted()])
-        ssl = server_context(*args.tls) if args.tls else None
-        await server.start("127.0.0.1", args.port, ssl=ssl)
-        print(f"control on {args.port}", flush=True)
-        await server.wait_closed()
-
-    asyncio.run(serve())
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["control"]:
-        _control_main(sys.argv[2:])
-    else:
-        _upstream_main(sys.argv[1:])
+    _upstream_main(sys.argv[1:])
     raise SystemExit(0)
 
 # Imported only under pytest: the upstream script starts faster without them.
@@ -344,6 +191,7 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 from llmgw_testkit import Proc, free_port, http_get, wait_for  # noqa: E402
+from llmgw_testkit.fake_control import FakeControl  # noqa: E402
 
 ROUTER = str(Path(sys.executable).parent / "llmgw-router")
 SIM = str(Path(sys.executable).parent / "llmgw-sim")
@@ -499,81 +347,10 @@ def spawn_router(tmp_path: Path, workers: int) -> Iterator[Callable[..., Router]
             r.proc.stop()
 
 
-@dataclass
-class Control:
-    """The scripted control plane: write a snapshot, and it is published."""
-
-    port: int
-    snapshot_path: Path
-    tmp_path: Path
-    proc: Proc | None = None
-    tls: tuple[Path, Path, Path] | None = None
-    # A standby: every call is refused with this leader address.
-    leader: str | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def loads_path(self) -> Path:
-        return self.snapshot_path.with_name(self.snapshot_path.stem + "-loads.json")
-
-    def start(self) -> None:
-        argv = [sys.executable, __file__, "control", "--port", str(self.port)]
-        argv += ["--loads", str(self.loads_path)]
-        if self.tls:
-            argv += ["--tls", *map(str, self.tls)]
-        if self.leader:
-            argv += ["--leader", self.leader]
-        self.proc = Proc(
-            [*argv, "--snapshot", str(self.snapshot_path)], log_dir=self.tmp_path, name="control"
-        )
-        self.proc.wait_output(f"control on {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
-    def publish(
-        self,
-        version: int,
-        *ups: Upstream,
-        model: str = "m1",
-        models: list[dict[str, Any]] | None = None,
-        generations: dict[str, int] | None = None,
-    ) -> None:
-        endpoints = [
-            {
-                "id": f"{up.id}-replica",
-                "url": up.url,
-                "models": [model],
-                "node_id": f"node-{up.id}",
-                "generation": (generations or {}).get(up.id, 0),
-            }
-            for up in ups
-        ]
-        body = {"version": version, "endpoints": endpoints, "models": models or []}
-        tmp = self.snapshot_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(self.snapshot_path)
-
-    def set_loads(self, loads: list[dict[str, Any]] | None) -> None:
-        """Stream these EndpointLoad figures (None: stop sending any)."""
-        if loads is None:
-            self.loads_path.unlink(missing_ok=True)
-            return
-        tmp = self.loads_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(loads))
-        tmp.replace(self.loads_path)
-
-    def output(self) -> str:
-        return self.proc.output() if self.proc is not None else ""
-
-
 @pytest.fixture
-def control(tmp_path: Path) -> Iterator[Control]:
-    c = Control(free_port(), tmp_path / "snapshot.json", tmp_path)
+def control(tmp_path: Path) -> Iterator[FakeControl]:
+    """The scripted control plane (llmgw_testkit.fake_control): publish a snapshot, and it is served."""
+    c = FakeControl(free_port(), tmp_path / "snapshot.json", tmp_path)
     c.start()
     try:
         yield c
