@@ -3,6 +3,7 @@
 A real router process watching a scripted control plane over real gRPC, and a real
 upstream process. The control plane of this version never publishes such a URL (it
 fails the shard); an older or foreign one might, and a router must not answer 500 for it.
+The healthy endpoint is a simulated vLLM engine (llmgw-sim).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import yaml
 from llmgw_testkit import free_port, wait_for
 
 Router = Any
-Upstream = Any
+Engine = Any
 Control = Any
 Spawn = Callable[..., Any]
 
 BAD = ["http://127.0.0.1:99999", "http://:8000"]
+# The engine, as vLLM does, refuses a chat without messages.
+HELLO = [{"role": "user", "content": "hello"}]
 
 
 def publish(control: Control, version: int, endpoints: list[tuple[str, str]]) -> None:
@@ -49,9 +52,9 @@ def applied(log: str, version: int) -> bool:
 
 
 def test_unparseable_endpoints_are_ignored_and_every_request_is_served(
-    spawn_router: Spawn, upstreams: list[Upstream], control: Control
+    spawn_router: Spawn, spawn_engines: Callable[..., list[Engine]], control: Control
 ) -> None:
-    e1 = upstreams[0]
+    (e1,) = spawn_engines(1)
     router = spawn_router(
         {
             "control": {
@@ -76,7 +79,7 @@ def test_unparseable_endpoints_are_ignored_and_every_request_is_served(
         )
         url = router.url + "/v1/chat/completions"
         statuses = [
-            httpx.post(url, json={"model": "m1", "messages": []}, timeout=30).status_code
+            httpx.post(url, json={"model": "m1", "messages": HELLO}, timeout=30).status_code
             for _ in range(12)
         ]
         assert statuses == [200] * 12

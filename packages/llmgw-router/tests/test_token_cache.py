@@ -279,18 +279,19 @@ def test_completions_are_cached_whole_with_the_tokenizers_specials(
 
 def test_the_proxy_and_v1_match_share_one_tokenizer_and_its_cache(
     folders: dict[str, Path],
-    spawn_upstream: Callable[..., Any],
+    spawn_engines: Callable[..., Any],
     spawn_router: Callable[..., Any],
 ) -> None:
-    """A real router process: what the proxy tokenized, /v1/match finds in the cache (one
-    tokenizer, loaded once), and a conversation's next turn encodes only its new part."""
-    up = spawn_upstream("e1", ["m"])
+    """A real router process over a simulated engine: what the proxy tokenized, /v1/match
+    finds in the cache (one tokenizer, loaded once), and a conversation's next turn encodes
+    only its new part."""
+    (engine,) = spawn_engines(1)
     router = spawn_router(
         {
             "balancer": "cache_aware",
-            "cache_aware": {"tokenizers": {"m": str(folders["gemma-bytelevel"])}},
+            "cache_aware": {"tokenizers": {"m1": str(folders["gemma-bytelevel"])}},
             "health_checks": {"enabled": False},
-            "endpoints": [up.entry(["m"])],
+            "endpoints": [{"id": engine.id, "url": engine.url, "models": ["m1"]}],
         }
     )
 
@@ -300,14 +301,14 @@ def test_the_proxy_and_v1_match_share_one_tokenizer_and_its_cache(
     # Long enough (over OFF_LOOP_CHARS) to be encoded on a worker thread.
     first = [{"role": "user", "content": "hello there " * 2000}]
     reply = httpx.post(
-        router.url + "/v1/chat/completions", json={"model": "m", "messages": first}, timeout=30
+        router.url + "/v1/chat/completions", json={"model": "m1", "messages": first}, timeout=30
     )
     assert reply.status_code == 200, reply.text
     encoded = tokens("encoded")
     assert encoded > 2000
     assert tokens("cache") == 0
     match = httpx.post(
-        router.admin + "/v1/match", json={"model": "m", "messages": first}, timeout=30
+        router.admin + "/v1/match", json={"model": "m1", "messages": first}, timeout=30
     )
     assert match.status_code == 200, match.text
     # Every token from the proxy's cache: the same tokenizer, not a copy of its own.
@@ -318,7 +319,7 @@ def test_the_proxy_and_v1_match_share_one_tokenizer_and_its_cache(
     # The next turn: the first turn from the cache, the reply and the question encoded.
     second = [*first, {"role": "model", "content": "a b"}, {"role": "user", "content": "x"}]
     match = httpx.post(
-        router.admin + "/v1/match", json={"model": "m", "messages": second}, timeout=30
+        router.admin + "/v1/match", json={"model": "m1", "messages": second}, timeout=30
     )
     assert match.status_code == 200, match.text
     assert tokens("cache") + tokens("encoded") == encoded * 2 + match.json()["prompt_tokens"]
