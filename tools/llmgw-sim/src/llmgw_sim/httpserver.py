@@ -386,6 +386,7 @@ class HttpServer:
         *,
         server_header: str | None = None,
         access_logger: logging.Logger | None = None,
+        name: str | None = None,
     ) -> None:
         self.handler = handler
         self.connections: set[HttpConnection] = set()
@@ -393,6 +394,8 @@ class HttpServer:
         self.access_logger = access_logger
         self.logger = logging.getLogger("llmgw_sim.http")
         self._server_line = f"server: {server_header}\r\n".encode() if server_header else b""
+        if name is not None:  # --sim-name: on every answer
+            self._server_line += f"x-sim-name: {name}\r\n".encode("latin-1")
         self._server: asyncio.AbstractServer | None = None
         self._date = b""
         self._date_at = 0

@@ -58,10 +58,12 @@ class Knobs:
     embedding_dim: int = 32
     version: str | None = None
     log_requests: bool = False
+    name: str | None = None
+    script_routes: bool = False
 
 
 # Knobs that are switches take no value on the command line.
-_SWITCHES = frozenset({"log_requests"})
+_SWITCHES = frozenset({"log_requests", "script_routes"})
 _HELP: dict[str, str] = {
     "load_time": "seconds spent 'loading the model' before the engine is ready",
     "load_until": "also keep loading until this file exists (lets tests and demos decide)",
@@ -106,6 +108,9 @@ _HELP: dict[str, str] = {
     "version": "engine version to simulate: whose captured help the flags come from, and what "
     "/version reports (default: the newest captured)",
     "log_requests": "log one line per finished request",
+    "name": "this engine's name, sent in an X-Sim-Name header on every answer",
+    "script_routes": "serve /sim/script (scripted failures, health) and /sim/stats (request "
+    "counts) for tests",
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("random", "echo"),
@@ -130,7 +135,7 @@ def _knob_fields() -> dict[str, type]:
             types[f.name] = int
         elif f.name in {"crash_after_seconds"}:
             types[f.name] = float
-        elif f.name in {"fail_on_load", "version", "load_until"}:
+        elif f.name in {"fail_on_load", "version", "load_until", "name"}:
             types[f.name] = str
         else:
             types[f.name] = type(value)

@@ -268,6 +268,7 @@ class Lifecycle:
             # vLLM and SGLang answer through uvicorn.
             server_header="uvicorn" if self.kind != "llama-server" else "llama.cpp",
             access_logger=_access_logger() if self.knobs.log_requests else None,
+            name=self.knobs.name,
         )
         await self.http.start(sock, backlog=_BACKLOG)
 

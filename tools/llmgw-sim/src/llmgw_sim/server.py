@@ -5,13 +5,17 @@ the route table of each engine kind. The handlers live by concern in :mod:`route
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+
+import msgspec
 
 from llmgw_sim.engine import ERROR_HEADER, ERROR_MESSAGE_HEADER, Engine
 from llmgw_sim.generation import STALL_HEADER, GenerationRoutes
 from llmgw_sim.httpserver import Request, Response, Stream
 from llmgw_sim.routes_common import CommonRoutes
 from llmgw_sim.routes_engine import LlamaRoutes, SglangRoutes, VllmRoutes
+from llmgw_sim.script import HANG, Script, ScriptError
 
 __all__ = [
     "ERROR_HEADER",
@@ -60,6 +64,8 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
             post["/chat/completions"] = gen.chat
             post["/completions"] = gen.completions
             post["/embeddings"] = common.embeddings
+    if engine.knobs.script_routes:
+        _add_script_routes(engine, get, post, health_only=health_only)
     routes = {"GET": get, "HEAD": get, "POST": post}
     not_found = Response(404, b'{"detail":"Not Found"}', "application/json")
     not_allowed = Response(405, b'{"detail":"Method Not Allowed"}', "application/json")
@@ -75,3 +81,67 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
         return not_found
 
     return handle
+
+
+_INFERENCE = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/chat/completions",
+     "/completions", "/embeddings"}
+)  # fmt: skip
+
+
+def _add_script_routes(
+    engine: Engine, get: dict[str, Route], post: dict[str, Route], *, health_only: bool
+) -> None:
+    """``--sim-script-routes``: /sim/script and /sim/stats, and the inference routes and
+    /health wrapped to obey the script and to count."""
+    script = Script()
+    json = "application/json"
+
+    def counted(route: Route) -> Route:
+        async def run(request: Request) -> Response | Stream:
+            counts = script.counts
+            counts["started"] += 1
+            counts["in_flight"] += 1
+            try:
+                failure = script.next_failure()
+                if failure == HANG:
+                    await asyncio.Event().wait()  # until the client leaves
+                if failure is not None:
+                    return engine.error(failure, f"Scripted failure {failure}")
+                result = await route(request)
+                if isinstance(result, Stream) or result.status < 400:
+                    counts["completed"] += 1
+                return result
+            except asyncio.CancelledError:
+                counts["cancelled"] += 1
+                raise
+            finally:
+                counts["in_flight"] -= 1
+
+        return run
+
+    def health(route: Route) -> Route:
+        async def run(request: Request) -> Response | Stream:
+            if not script.healthy:
+                return Response(status=503)
+            return await route(request)
+
+        return run
+
+    async def set_script(request: Request) -> Response:
+        try:
+            script.update(msgspec.json.decode(request.body or b"null"))
+        except (ScriptError, msgspec.DecodeError) as err:
+            return Response(400, msgspec.json.encode({"error": str(err)}), json)
+        return Response(body=msgspec.json.encode(script.state()), content_type=json)
+
+    async def stats(request: Request) -> Response:
+        return Response(body=msgspec.json.encode(script.counts), content_type=json)
+
+    for path in [p for p in post if p in _INFERENCE]:
+        post[path] = counted(post[path])
+    for path in [p for p in get if p in ("/health", "/health_generate", "/v1/health")]:
+        get[path] = health(get[path])
+    if not health_only:
+        post["/sim/script"] = set_script
+        get["/sim/stats"] = stats
