@@ -24,7 +24,7 @@ def test_the_next_count_requests_fail_then_it_serves(tmp_path: Path) -> None:
     with start(tmp_path, "vllm", ARGS) as sim, httpx.Client(timeout=30) as c:
         assert c.get(sim.url + "/health").headers["x-sim-name"] == "e7"
         set_to = c.post(sim.url + "/sim/script", json={"status": 503, "count": 2})
-        assert set_to.json() == {"status": 503, "count": 2, "healthy": True}
+        assert set_to.json() == {"status": 503, "count": 2, "healthy": True, "itl": None}
         answers = [c.post(sim.url + "/v1/chat/completions", json=CHAT) for _ in range(3)]
         assert [a.status_code for a in answers] == [503, 503, 200]
         assert all(a.headers["x-sim-name"] == "e7" for a in answers)
@@ -64,6 +64,22 @@ def test_a_hung_request_that_its_client_leaves_counts_as_cancelled(tmp_path: Pat
         assert c.post(sim.url + "/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def test_itl_paces_streams_from_the_next_request(tmp_path: Path) -> None:
+    with start(tmp_path, "vllm", ARGS) as sim, httpx.Client(timeout=30) as c:
+        assert c.post(sim.url + "/sim/script", json={"itl": 0.2}).json()["itl"] == 0.2
+        body = {**CHAT, "stream": True, "max_tokens": 50}
+        with c.stream("POST", sim.url + "/v1/chat/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ")
+            # Paced: the stream is still running after its first chunk.
+            stats = c.get(sim.url + "/sim/stats").json()
+            assert stats["in_flight"] == 1, (stats, first, list(lines))
+        wait_for(lambda: c.get(sim.url + "/sim/stats").json()["in_flight"] == 0, what="left")
+        c.post(sim.url + "/sim/script", json={"itl": None}).raise_for_status()
+        assert c.post(sim.url + "/v1/chat/completions", json=body).status_code == 200
+
+
 def test_bad_script_bodies_are_400_naming_the_field(tmp_path: Path) -> None:
     with start(tmp_path, "vllm", ARGS) as sim, httpx.Client(timeout=30) as c:
         bad = c.post(sim.url + "/sim/script", json={"status": 200})
@@ -92,13 +108,17 @@ def test_script_examples() -> None:
     ]:
         with pytest.raises(ScriptError, match=field):
             s.update(body)
-    assert s.state() == {"status": 0, "count": 0, "healthy": True}
+    assert s.state() == {"status": 0, "count": 0, "healthy": True, "itl": None}
+    s.update({"itl": 0.5})
+    assert s.itl == 0.5
+    with pytest.raises(ScriptError, match="itl must be"):
+        s.update({"itl": -1})
 
 
 @given(
     st.dictionaries(
-        st.sampled_from(["status", "count", "healthy", "other"]),
-        st.one_of(st.integers(-5, 700), st.booleans(), st.none()),
+        st.sampled_from(["status", "count", "healthy", "itl", "other"]),
+        st.one_of(st.integers(-5, 700), st.floats(-1, 5000), st.booleans(), st.none()),
     ),
     st.integers(0, 30),
 )
@@ -112,6 +132,8 @@ def test_an_update_is_all_or_nothing_and_count_requests_fail(body: dict[str, Any
         return
     after = s.state()
     assert after == {**before, **body}
+    assert isinstance(after["status"], int)
+    assert isinstance(after["count"], int)
     failures = [s.next_failure() for _ in range(n)]
     fail = min(n, after["count"])
     assert failures == [after["status"]] * fail + [None] * (n - fail)

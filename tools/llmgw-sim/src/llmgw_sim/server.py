@@ -6,6 +6,7 @@ the route table of each engine kind. The handlers live by concern in :mod:`route
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -131,6 +132,8 @@ def _add_script_routes(
     async def set_script(request: Request) -> Response:
         try:
             script.update(msgspec.json.decode(request.body or b"null"))
+            itl = engine.knobs.itl if script.itl is None else script.itl
+            engine.timing = dataclasses.replace(engine.timing, itl=itl)
         except (ScriptError, msgspec.DecodeError) as err:
             return Response(400, msgspec.json.encode({"error": str(err)}), json)
         return Response(body=msgspec.json.encode(script.state()), content_type=json)
