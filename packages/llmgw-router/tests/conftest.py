@@ -1,197 +1,20 @@
-"""Fixtures: real upstream engines and a real `llmgw-router serve`, each its own process;
-the scripted control plane is llmgw_testkit.fake_control.
-
-Run as a script, this file is a tiny OpenAI-compatible upstream (aiohttp.web) with
-knobs the tests need and the simulator may not have: scripted failures, a stats
-endpoint that counts cancelled requests, and its id in every answer.
+"""Fixtures: simulated engines (llmgw-sim) and a real `llmgw-router serve`, each its own
+process, and the scripted control plane (llmgw_testkit.fake_control).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ---------------------------------------------------------------- the upstream script
-
-
-def _upstream_main(argv: list[str]) -> None:
-    import argparse
-
-    from aiohttp import web
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--id", required=True)
-    parser.add_argument("--model", action="append", required=True)
-    parser.add_argument("--chunk-delay", type=float, default=0.0)
-    parser.add_argument("--first-delay", type=float, default=0.0)
-    args = parser.parse_args(argv)
-
-    stats = {"started": 0, "completed": 0, "cancelled": 0, "in_flight": 0}
-    # Scripted failures: the next `count` requests answer `status` (or hang, status 0).
-    failures: dict[str, Any] = {"status": 500, "count": 0, "healthy": True, "delay": None}
-    headers = {"x-upstream-id": args.id}
-
-    def completion(model: str, chat: bool, n: int) -> dict[str, Any]:
-        text = "tok " * n
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-            if chat
-            else {"index": 0, "text": text, "finish_reason": "stop"}
-        )
-        return {
-            "id": f"cmpl-{args.id}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": args.id,
-            "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
-        }
-
-    def chunk(model: str, chat: bool, i: int, usage: dict[str, int] | None = None) -> bytes:
-        choices: list[Any] = []
-        if usage is None:
-            choices = [
-                {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
-                if chat
-                else {"index": 0, "text": f"t{i} ", "finish_reason": None}
-            ]
-        body: dict[str, Any] = {
-            "id": f"cmpl-{args.id}",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": args.id,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        stats["started"] += 1
-        stats["in_flight"] += 1
-        try:
-            payload = await request.json()
-            model = payload.get("model")
-            if model not in args.model:
-                return web.json_response(
-                    {
-                        "error": {
-                            "message": f"model {model} not served",
-                            "type": "x",
-                            "param": None,
-                            "code": 404,
-                        }
-                    },
-                    status=404,
-                    headers=headers,
-                )
-            if failures["count"] > 0:
-                failures["count"] -= 1
-                if failures["status"] == 0:
-                    await asyncio.sleep(3600)
-                return web.json_response(
-                    {
-                        "error": {
-                            "message": "scripted failure",
-                            "type": "x",
-                            "param": None,
-                            "code": None,
-                        }
-                    },
-                    status=failures["status"],
-                    headers=headers,
-                )
-            chat = request.path.endswith("chat/completions")
-            n = int(payload.get("max_tokens") or 5)
-            delay = failures["delay"] if failures["delay"] is not None else args.chunk_delay
-            if args.first_delay:
-                await asyncio.sleep(args.first_delay)
-            if request.path.endswith("embeddings"):
-                result = {
-                    "object": "list",
-                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
-                    "model": model,
-                    "usage": {"prompt_tokens": 2, "total_tokens": 2},
-                }
-                stats["completed"] += 1
-                return web.json_response(result, headers=headers)
-            if not payload.get("stream"):
-                if delay:
-                    await asyncio.sleep(delay * n)
-                stats["completed"] += 1
-                return web.json_response(completion(model, chat, n), headers=headers)
-            resp = web.StreamResponse(
-                headers={
-                    **headers,
-                    "content-type": "text/event-stream",
-                    "cache-control": "no-cache",
-                }
-            )
-            await resp.prepare(request)
-            for i in range(n):
-                await resp.write(chunk(model, chat, i))
-                if delay:
-                    await asyncio.sleep(delay)
-            if (payload.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
-                await resp.write(chunk(model, chat, n, usage))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            stats["completed"] += 1
-            return resp
-        except (asyncio.CancelledError, ConnectionResetError):
-            stats["cancelled"] += 1
-            print("request cancelled", flush=True)
-            raise
-        finally:
-            stats["in_flight"] -= 1
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({}, status=200 if failures["healthy"] else 503)
-
-    async def get_stats(request: web.Request) -> web.Response:
-        return web.json_response(stats)
-
-    async def script(request: web.Request) -> web.Response:
-        failures.update(await request.json())
-        return web.json_response(failures)
-
-    app = web.Application()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-        app.router.add_post(path, generate)
-    app.router.add_get("/health", health)
-    app.router.add_get("/stats", get_stats)
-    app.router.add_post("/script", script)
-    print(f"upstream {args.id} on {args.port}", flush=True)
-    web.run_app(
-        app,
-        host="127.0.0.1",
-        port=args.port,
-        print=None,
-        handler_cancellation=True,
-        access_log=None,
-    )
-
-
-if __name__ == "__main__":
-    _upstream_main(sys.argv[1:])
-    raise SystemExit(0)
-
-# Imported only under pytest: the upstream script starts faster without them.
-import httpx  # noqa: E402
-import pytest  # noqa: E402
-import yaml  # noqa: E402
-from llmgw_testkit import Proc, free_port, http_get, wait_for  # noqa: E402
-from llmgw_testkit.fake_control import FakeControl  # noqa: E402
+import httpx
+import pytest
+import yaml
+from llmgw_testkit import Proc, free_port, http_get, wait_for
+from llmgw_testkit.fake_control import FakeControl
 
 ROUTER = str(Path(sys.executable).parent / "llmgw-router")
 SIM = str(Path(sys.executable).parent / "llmgw-sim")
@@ -202,6 +25,10 @@ SIM = str(Path(sys.executable).parent / "llmgw-sim")
 
 @dataclass
 class Upstream:
+    """A simulated vLLM engine (``llmgw-sim vllm serve``) named ``id``: its name comes back
+    in the ``x-sim-name`` header of every answer; ``script`` and ``stats`` are the
+    simulator's ``/sim/script`` and ``/sim/stats``."""
+
     id: str
     port: int
     proc: Proc
@@ -211,10 +38,12 @@ class Upstream:
         return f"http://127.0.0.1:{self.port}"
 
     def stats(self) -> dict[str, int]:
-        return dict(httpx.get(self.url + "/stats", timeout=5).json())
+        """Inference requests started, completed, cancelled (the client left), in flight."""
+        return dict(httpx.get(self.url + "/sim/stats", timeout=5).json())
 
     def script(self, **settings: Any) -> None:
-        httpx.post(self.url + "/script", json=settings, timeout=5).raise_for_status()
+        """The next ``count`` requests answer ``status`` (0: hang); ``healthy``; ``itl``."""
+        httpx.post(self.url + "/sim/script", json=settings, timeout=5).raise_for_status()
 
     def entry(self, models: list[str], **extra: Any) -> dict[str, Any]:
         """This upstream as an item of the router config's `endpoints:`."""
@@ -245,11 +74,12 @@ class Router:
 
 
 def launch_upstream(tmp_path: Path, ident: str, models: list[str], *extra: str) -> Upstream:
-    """Start an upstream without waiting for it (see :func:`wait_up`)."""
+    """Start a simulated engine serving ``models`` without waiting for it (see
+    :func:`wait_up`); ``extra``: more simulator flags (``--sim-ttft``, ``--sim-itl``, ...)."""
     port = free_port()
-    argv = [sys.executable, __file__, "--port", str(port), "--id", ident, *extra]
-    for model in models:
-        argv += ["--model", model]
+    argv = [SIM, "vllm", "serve", models[0], "--served-model-name", *models]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--sim-load-time", "0"]
+    argv += ["--sim-name", ident, "--sim-script-routes", *extra]
     return Upstream(ident, port, Proc(argv, log_dir=tmp_path, name=f"upstream-{ident}"))
 
 
@@ -308,7 +138,8 @@ def start_router(
 
 @pytest.fixture
 def spawn_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
-    """Start upstreams: ``spawn_upstream(id, [models], *flags)``; all stopped at the end."""
+    """Start simulated engines: ``spawn_upstream(id, [models], *sim_flags)``; all stopped at
+    the end."""
     started: list[Upstream] = []
 
     def spawn(ident: str, models: list[str], *extra: str) -> Upstream:
@@ -415,7 +246,7 @@ def spawn_engines(tmp_path: Path) -> Iterator[Callable[..., list[Engine]]]:
 def _reset(ups: list[Upstream]) -> None:
     for up in ups:
         if up.proc.alive():
-            up.script(status=500, count=0, healthy=True, delay=None)
+            up.script(status=500, count=0, healthy=True, itl=None)
 
 
 @pytest.fixture(scope="module")
@@ -449,7 +280,7 @@ def _shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Ups
 def upstreams(_shared: tuple[list[Upstream], Router]) -> Iterator[list[Upstream]]:
     """Two upstreams shared by a test module: `e1` serves `m1` and `m2`, `e2` serves `m1`.
 
-    Scripted failures and delays are undone after each test.
+    Scripted failures, health and pacing are undone after each test.
     """
     ups = _shared[0]
     _reset(ups)

@@ -25,6 +25,13 @@ Spawn = Callable[..., Any]
 
 ROUTER = str(Path(sys.executable).parent / "llmgw-router")
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+HI = [{"role": "user", "content": "hi"}]
+# A request each path serves (the simulated engine, as vLLM, checks the fields).
+GOOD: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": "m1", "messages": HI},
+    "/v1/completions": {"model": "m1", "prompt": "hi"},
+    "/v1/embeddings": {"model": "m1", "input": "hi"},
+}
 
 
 def deep_object(depth: int) -> bytes:
@@ -51,7 +58,7 @@ def test_deeply_nested_json_is_a_400_in_openai_shape(router: Router, path: str) 
         assert error["type"] == "invalid_request_error"
         assert error["code"] == code
     # The router is fine afterwards.
-    assert httpx.post(router.url + path, json={"model": "m1", "messages": []}).status_code == 200
+    assert httpx.post(router.url + path, json=GOOD[path]).status_code == 200
 
 
 def raw_exchange(port: int, request: bytes) -> bytes:
@@ -110,16 +117,16 @@ def test_known_model_without_endpoints_is_503_unknown_is_404(
         }
     )
     url = router.url + "/v1/chat/completions"
-    assert httpx.post(url, json={"model": "m1", "messages": []}).status_code == 200
+    assert httpx.post(url, json={"model": "m1", "messages": HI}).status_code == 200
     # Every replica of m1 gone: m1 still exists (it was served and is declared).
     control.publish(2, models=declared)
     wait_for(lambda: router.endpoints()["version"] == 2, what="snapshot 2")
     for model in ("m1", "m9"):
-        r = httpx.post(url, json={"model": model, "messages": []})
+        r = httpx.post(url, json={"model": model, "messages": HI})
         assert r.status_code == 503, r.text
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "no_usable_endpoint"
-    r = httpx.post(url, json={"model": "nobody-declared-this", "messages": []})
+    r = httpx.post(url, json={"model": "nobody-declared-this", "messages": HI})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
 
@@ -140,7 +147,7 @@ def test_no_snapshot_yet_names_the_unreachable_control_plane(spawn_router: Spawn
     url = router.url + "/v1/chat/completions"
 
     def answer() -> dict[str, Any] | None:
-        r = httpx.post(url, json={"model": "m1", "messages": []})
+        r = httpx.post(url, json={"model": "m1", "messages": HI})
         body = r.json()["error"]
         return body if r.status_code == 503 and "unreachable" in body["message"] else None
 
@@ -204,12 +211,12 @@ def test_every_endpoint_failing_at_once_keeps_the_model_served(
     for up in ups:
         up.script(status=500, count=3)
     for _ in range(12):
-        httpx.post(url, json={"model": "m1", "messages": []}, timeout=30)
+        httpx.post(url, json={"model": "m1", "messages": HI}, timeout=30)
     states = [ep["state"] for ep in router.endpoints()["endpoints"]]
     # At most half of them out (max_ejection_percent: 50), though all failed.
     assert 1 <= states.count("ejected") <= 2, states
     # They recover long before the 120 s ejections end: the model is served, no 503.
     for up in ups:
         up.script(status=500, count=0)
-    results = [httpx.post(url, json={"model": "m1", "messages": []}, timeout=30) for _ in range(10)]
+    results = [httpx.post(url, json={"model": "m1", "messages": HI}, timeout=30) for _ in range(10)]
     assert [r.status_code for r in results] == [200] * 10

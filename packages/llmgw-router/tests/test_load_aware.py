@@ -50,7 +50,7 @@ def prompt(tenant: int) -> dict[str, Any]:
 def served_by(router: Router, body: dict[str, Any]) -> str:
     r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    return str(r.headers["x-upstream-id"])
+    return str(r.headers["x-sim-name"])
 
 
 def endpoint(router: Router, ident: str) -> dict[str, Any]:
@@ -147,7 +147,10 @@ def test_a_standby_sends_the_router_to_the_leader(
         cfg["control"] = {**cfg["control"], "address": "", "addresses": [standby.address]}
         router = spawn_router(cfg)
         assert router.endpoints()["version"] == 3
-        assert served_by(router, {"model": "m1", "messages": []}) == "e1"
+        assert (
+            served_by(router, {"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+            == "e1"
+        )
         assert "refused as standby" in standby.output()
         assert "following the control plane's leader" in router.proc.output()
         assert router.endpoints()["control"]["address"] == control.address
@@ -187,14 +190,18 @@ async def test_requests_for_a_model_at_zero_are_held_until_it_starts(
         control.publish(2, up, model="m5", models=declared)
         answers = await asyncio.gather(*held)
     assert [r.status_code for r in answers] == [200] * 20
-    assert {r.headers["x-upstream-id"] for r in answers} == {"z1"}
+    assert {r.headers["x-sim-name"] for r in answers} == {"z1"}
 
 
 def test_hold_timeout_is_a_503_with_retry_after(spawn_router: Spawn, control: Any) -> None:
     control.publish(1, model="m5", models=[{"name": "m5", "scale_to_zero": True}])
     router = spawn_router(config(control, hold={"hold_timeout": "1s"}), wait_ready=False)
     wait_for(lambda: router.endpoints()["declared"] == {"m5": True}, what="declared model known")
-    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m5"}, timeout=30)
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m5", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
     assert r.status_code == 503
     assert int(r.headers["retry-after"]) >= 1
     error = r.json()["error"]
@@ -230,7 +237,7 @@ async def test_requests_without_a_first_byte_are_counted_until_it_comes(
     # Wide windows (3 s to the first byte, then 20 chunks 0.5 s apart), each state seen
     # in one snapshot, so a loaded machine only waits longer.
     up = await asyncio.to_thread(
-        spawn_upstream, "slow", ["m1"], "--first-delay", "3", "--chunk-delay", "0.5"
+        spawn_upstream, "slow", ["m1"], "--sim-ttft", "3", "--sim-itl", "0.5"
     )
     router = await asyncio.to_thread(
         spawn_router, {"endpoints": [up.entry(["m1"])], "health_checks": {"enabled": False}}

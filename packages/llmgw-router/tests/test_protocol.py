@@ -2,7 +2,7 @@
 
 Pipelining, keep-alive after an error, HTTP/1.0 and `connection: close`,
 `Expect: 100-continue` with a chunked request body, query strings: each against the
-real router process and real upstreams.
+real router process and simulated engines (llmgw-sim).
 """
 
 from __future__ import annotations
@@ -128,8 +128,10 @@ def test_a_stream_is_sent_chunked_and_the_connection_is_reused(
     router: Router, upstreams: list[Any]
 ) -> None:
     for up in upstreams:
-        up.script(delay=0.02)
-    stream = b'{"model":"m1","stream":true,"max_tokens":5,"messages":[]}'
+        up.script(itl=0.02)
+    stream = (
+        b'{"model":"m1","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}'
+    )
     with connect(router) as sock:
         for _ in range(2):
             sock.sendall(post(b"/v1/chat/completions", stream))

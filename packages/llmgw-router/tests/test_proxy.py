@@ -1,9 +1,11 @@
-"""The proxy end to end: real upstream processes, a real router process, real clients."""
+"""The proxy end to end: simulated engine processes (llmgw-sim), a real router process, real
+clients."""
 
 from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -40,20 +42,33 @@ def sse_events(text: str) -> list[str]:
 TOKENS_M1 = 'llmgw_router_tokens_total{kind="completion",model="m1"}'
 
 
-def test_openai_client_chat_completions_embeddings_and_models(router: Router) -> None:
+def test_openai_client_chat_completions_embeddings_and_models(
+    router: Router, upstreams: list[Upstream]
+) -> None:
     before = metric(router.metrics(), TOKENS_M1)
     c = client(router)
-    reply = c.chat.completions.create(
-        model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4
-    )
-    assert reply.choices[0].message.content == "tok tok tok tok "
+    e1 = upstreams[0].url
+    chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    reply = c.chat.completions.create(**chat)  # type: ignore[call-overload]
+    # The engine's own answer, relayed as it is (the simulated engines are deterministic).
+    direct = httpx.post(e1 + "/v1/chat/completions", json=chat).json()
+    assert reply.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    assert reply.choices[0].message.content
     assert reply.usage is not None
     assert reply.usage.completion_tokens == 4
-    text = c.completions.create(model="m2", prompt="hi", max_tokens=2)
-    assert text.choices[0].text == "tok tok "
-    assert text.system_fingerprint == "e1", "m2 is served by e1 only"
+    raw = c.completions.with_raw_response.create(model="m2", prompt="hi", max_tokens=2)
+    assert raw.headers["x-sim-name"] == "e1", "m2 is served by e1 only"
+    direct = httpx.post(
+        e1 + "/v1/completions", json={"model": "m2", "prompt": "hi", "max_tokens": 2}
+    )
+    assert raw.parse().choices[0].text == direct.json()["choices"][0]["text"]
     emb = c.embeddings.create(model="m1", input="hi")
-    assert emb.data[0].embedding == [0.1, 0.2, 0.3]
+    direct = httpx.post(e1 + "/v1/embeddings", json={"model": "m1", "input": "hi"})
+    # The openai client asks for base64 and decodes float32s: the engine's, as float32.
+    vector = direct.json()["data"][0]["embedding"]
+    assert emb.data[0].embedding == list(
+        struct.unpack(f"{len(vector)}f", struct.pack(f"{len(vector)}f", *vector))
+    )
     assert sorted(m.id for m in c.models.list()) == ["m1", "m2"]
     metrics = router.metrics()
     assert metric(metrics, TOKENS_M1) == before + 4
@@ -64,12 +79,17 @@ def test_streaming_with_usage_through_openai_client(
     router: Router, upstreams: list[Upstream]
 ) -> None:
     for up in upstreams:
-        up.script(delay=0.005)  # paced, so there are gaps between chunks to measure
+        up.script(itl=0.005)  # paced, so there are gaps between chunks to measure
     before = metric(router.metrics(), TOKENS_M1)
     got = stream_chat_with_usage(
         router.url, "m1", max_tokens=20, content="hi", api_key="unused", timeout=30
     )
-    assert got.deltas == [f"t{i} " for i in range(20)]
+    # The engine's own stream, relayed as it is (the simulated engines are deterministic).
+    direct = stream_chat_with_usage(
+        upstreams[0].url, "m1", max_tokens=20, content="hi", api_key="unused", timeout=30
+    )
+    assert got.deltas == direct.deltas
+    assert len([d for d in got.deltas if d]) == 20
     assert got.chunks[-1].usage is not None
     assert got.chunks[-1].usage.completion_tokens == 20
     # Counted when the request ends, just after its last byte reached the client.
@@ -85,21 +105,27 @@ def test_stream_is_relayed_before_the_engine_finishes(
     router: Router, upstreams: list[Upstream]
 ) -> None:
     for up in upstreams:
-        up.script(delay=0.05)
-    body = {"model": "m1", "stream": True, "max_tokens": 60, "messages": []}
+        up.script(itl=0.05)
+    body = {
+        "model": "m1",
+        "stream": True,
+        "max_tokens": 60,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"][0]["delta"]["content"] == "t0 "
+        # vLLM's first chunk: the role.
+        assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         # The first chunk is here while the engine still generates: nothing was buffered.
-        served = next(up for up in upstreams if up.id == resp.headers["x-upstream-id"])
+        served = next(up for up in upstreams if up.id == resp.headers["x-sim-name"])
         assert served.stats()["in_flight"] == 1
         rest = list(lines)
     events = [first[6:], *sse_events("\n".join(rest))]
     assert events[-1] == "[DONE]"
-    assert len(events) == 61
+    assert len(events) == 62  # the role, 60 tokens, [DONE]
 
 
 def test_errors_are_openai_shaped(router: Router) -> None:
@@ -110,13 +136,13 @@ def test_errors_are_openai_shaped(router: Router) -> None:
         assert set(detail) == {"message", "type", "param", "code"}
         return dict(detail)
 
-    r = httpx.post(url, json={"model": "nope", "messages": []})
+    r = httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
     assert error(r)["code"] == "model_not_found"
     r = httpx.post(url, content=b"{not json")
     assert r.status_code == 400
     assert error(r)["code"] == "invalid_json"
-    r = httpx.post(url, json={"messages": []})
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400
     assert error(r)["param"] == "model"
     r = httpx.post(url, json=["model", "m1"])
@@ -125,7 +151,14 @@ def test_errors_are_openai_shaped(router: Router) -> None:
     r = httpx.post(url, json={"model": 7})
     assert r.status_code == 400
     assert error(r)["param"] == "model"
-    r = httpx.post(url, json={"model": "m1", "messages": [], "pad": "x" * (2 * 1024 * 1024)})
+    r = httpx.post(
+        url,
+        json={
+            "model": "m1",
+            "messages": [{"role": "user", "content": "hi"}],
+            "pad": "x" * (2 * 1024 * 1024),
+        },
+    )
     assert r.status_code == 413
     assert error(r)["code"] == "request_too_large"
     r = httpx.get(url)
@@ -134,7 +167,9 @@ def test_errors_are_openai_shaped(router: Router) -> None:
     assert r.status_code == 404
     error(r)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client(router).chat.completions.create(model="nope", messages=[])
+        client(router).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "hi"}]
+        )
     assert (
         metric(router.metrics(), 'llmgw_router_requests_total{endpoint="",model="",status="404"}')
         >= 3
@@ -143,12 +178,10 @@ def test_errors_are_openai_shaped(router: Router) -> None:
 
 def test_profile_pinning_and_unknown_profile(router: Router) -> None:
     url = router.url + "/v1/chat/completions"
-    body = {"model": "m1", "messages": []}
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
     for profile, upstream in (("fast", "e1"), ("cheap", "e2")):
         served = {
-            httpx.post(url, json=body, headers={"x-llmgw-profile": profile}).headers[
-                "x-upstream-id"
-            ]
+            httpx.post(url, json=body, headers={"x-llmgw-profile": profile}).headers["x-sim-name"]
             for _ in range(10)
         }
         assert served == {upstream}
@@ -166,14 +199,24 @@ def test_default_profile_is_preferred(spawn_router: Spawn, upstreams: list[Upstr
     }
     router = spawn_router(cfg)
     url = router.url + "/v1/chat/completions"
-    served = {httpx.post(url, json={"model": "m1"}).headers["x-upstream-id"] for _ in range(10)}
+    served = {
+        httpx.post(
+            url, json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+        ).headers["x-sim-name"]
+        for _ in range(10)
+    }
     assert served == {"e2"}
     # Without a usable endpoint in the default profile, the others serve.
     e2.script(healthy=False)
     wait_for(
         lambda: router.endpoints()["endpoints"][1]["state"] == "unhealthy", what="e2 unhealthy"
     )
-    assert httpx.post(url, json={"model": "m1"}).headers["x-upstream-id"] == "e1"
+    assert (
+        httpx.post(
+            url, json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+        ).headers["x-sim-name"]
+        == "e1"
+    )
 
 
 def test_session_affinity_keeps_a_session_on_one_endpoint(
@@ -192,9 +235,15 @@ def test_session_affinity_keeps_a_session_on_one_endpoint(
     http = httpx.Client(timeout=30)
 
     def served(**kw: Any) -> set[str]:
-        return {http.post(url, **kw).headers["x-upstream-id"] for _ in range(6)}
+        return {http.post(url, **kw).headers["x-sim-name"] for _ in range(6)}
 
-    by_header = {s: served(json={"model": "m1"}, headers={"x-session": s}) for s in "abcdefgh"}
+    by_header = {
+        s: served(
+            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-session": s},
+        )
+        for s in "abcdefgh"
+    }
     assert all(len(ids) == 1 for ids in by_header.values()), by_header
     assert set().union(*by_header.values()) == {"e1", "e2"}, "sessions spread over both"
     for user in ("alice", "bob", "carol"):
@@ -207,20 +256,26 @@ def test_api_keys(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
     router = spawn_router({"api_keys": ["sk-one", "sk-two"], "endpoints": [e1.entry(["m1"])]})
     with router.proc:
         url = router.url + "/v1/chat/completions"
-        r = httpx.post(url, json={"model": "m1"})
+        r = httpx.post(url, json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
         assert (
             httpx.post(
-                url, json={"model": "m1"}, headers={"authorization": "Bearer sk-bad"}
+                url,
+                json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"authorization": "Bearer sk-bad"},
             ).status_code
             == 401
         )
         assert httpx.get(router.url + "/v1/models").status_code == 401
-        reply = client(router, "sk-two").chat.completions.create(model="m1", messages=[])
-        assert reply.system_fingerprint == "e1"
+        reply = client(router, "sk-two").chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.headers["x-sim-name"] == "e1"
         with pytest.raises(openai.AuthenticationError):
-            client(router, "sk-three").chat.completions.create(model="m1", messages=[])
+            client(router, "sk-three").chat.completions.create(
+                model="m1", messages=[{"role": "user", "content": "hi"}]
+            )
 
 
 def test_api_keys_file_and_per_key_model_allow_list(
@@ -239,11 +294,17 @@ def test_api_keys_file_and_per_key_model_allow_list(
     with router.proc:
         # A key from the file, with no allow-list, may use every model.
         for model in ("m1", "m2"):
-            assert client(router, "sk-file-all").chat.completions.create(model=model, messages=[])
+            assert client(router, "sk-file-all").chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}]
+            )
         # A limited key uses its models and is refused the others, with a clear error.
-        assert client(router, "sk-only-m1").chat.completions.create(model="m1", messages=[])
+        assert client(router, "sk-only-m1").chat.completions.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}]
+        )
         with pytest.raises(openai.PermissionDeniedError) as info:
-            client(router, "sk-only-m2").chat.completions.create(model="m1", messages=[])
+            client(router, "sk-only-m2").chat.completions.create(
+                model="m1", messages=[{"role": "user", "content": "hi"}]
+            )
         error = info.value.response.json()["error"]
         assert error["code"] == "model_not_allowed"
         assert error["param"] == "model"
@@ -290,14 +351,23 @@ def test_no_usable_endpoint_is_503_with_retry_after(
     wait_for(
         lambda: router.endpoints()["endpoints"][0]["state"] == "unhealthy", what="e1 unhealthy"
     )
-    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m2", "messages": []})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m2", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 503
     assert int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == "no_usable_endpoint"
     assert [m["id"] for m in httpx.get(router.url + "/v1/models").json()["data"]] == ["m1"]
     e1.script(healthy=True)
     wait_for(lambda: router.endpoints()["endpoints"][0]["state"] == "ready", what="e1 ready again")
-    assert httpx.post(router.url + "/v1/chat/completions", json={"model": "m2"}).status_code == 200
+    assert (
+        httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m2", "messages": [{"role": "user", "content": "hi"}]},
+        ).status_code
+        == 200
+    )
 
 
 def test_retries_on_5xx_hangs_and_connect_errors(
@@ -325,10 +395,15 @@ def test_retries_on_5xx_hangs_and_connect_errors(
         e2.script(status=0, count=1)  # hangs past the first-byte deadline once
         url = router.url + "/v1/chat/completions"
         results = [
-            httpx.post(url, json={"model": "m1", "messages": []}, timeout=30) for _ in range(30)
+            httpx.post(
+                url,
+                json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
+            for _ in range(30)
         ]
         assert [r.status_code for r in results] == [200] * 30
-        assert {r.headers["x-upstream-id"] for r in results} <= {"e1", "e2"}
+        assert {r.headers["x-sim-name"] for r in results} <= {"e1", "e2"}
         states = {ep["id"]: ep for ep in router.endpoints()["endpoints"]}
         assert states["dead"]["state"] == "ejected"
         metrics = router.metrics()
@@ -351,13 +426,19 @@ def test_5xx_passed_on_when_no_retry_is_left(
     router = spawn_router({"endpoints": [e1.entry(["m1"])], "health_checks": {"enabled": False}})
     with router.proc:
         e1.script(status=503, count=5)
-        r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 503
-        assert r.json()["error"]["message"] == "scripted failure"
+        assert r.json()["error"]["message"] == "Scripted failure 503"
         # 429s are passed on too, but a busy endpoint is never ejected for them.
         e1.script(status=429, count=100)
         for _ in range(5):
-            r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+            r = httpx.post(
+                router.url + "/v1/chat/completions",
+                json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+            )
             assert r.status_code == 429
         assert router.endpoints()["endpoints"][0]["state"] == "ready"
 
@@ -366,12 +447,17 @@ def test_client_disconnect_cancels_the_upstream_request(
     router: Router, upstreams: list[Upstream]
 ) -> None:
     for up in upstreams:
-        up.script(delay=0.2)
+        up.script(itl=0.2)
     before = {up.id: up.stats() for up in upstreams}
     gone_before = metric(router.metrics(), 'llmgw_router_client_disconnects_total{model="m1"}')
-    body = {"model": "m1", "stream": True, "max_tokens": 200, "messages": []}
+    body = {
+        "model": "m1",
+        "stream": True,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
-        served = next(up for up in upstreams if up.id == resp.headers["x-upstream-id"])
+        served = next(up for up in upstreams if up.id == resp.headers["x-sim-name"])
         next(resp.iter_lines())
     # The client is gone after 1 of 200 chunks; the engine must hear of it long before the end.
     start = before[served.id]
@@ -388,9 +474,14 @@ def test_client_disconnect_cancels_the_upstream_request(
 def test_sigterm_lets_streams_finish(spawn_router: Spawn, upstreams: list[Upstream]) -> None:
     e1, _ = upstreams
     router = spawn_router({"endpoints": [e1.entry(["m1"])], "shutdown_grace": "20s"})
-    e1.script(delay=0.05)
+    e1.script(itl=0.05)
     try:
-        body = {"model": "m1", "stream": True, "max_tokens": 40, "messages": []}
+        body = {
+            "model": "m1",
+            "stream": True,
+            "max_tokens": 40,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         with httpx.stream(
             "POST", router.url + "/v1/chat/completions", json=body, timeout=30
         ) as resp:

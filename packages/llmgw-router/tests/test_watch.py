@@ -1,7 +1,8 @@
 """Dynamic endpoints over a real gRPC stream from a scripted control plane.
 
-The control plane is written elsewhere; a small grpclib server (conftest.py, run as
-its own process) serves `EndpointService.Watch` from a snapshot file instead.
+The control plane is written elsewhere; a small grpclib server (llmgw_testkit.fake_control,
+run as its own process) serves `EndpointService.Watch` from a snapshot file instead; the
+engines are simulated (llmgw-sim).
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ async def test_snapshots_drive_the_endpoint_set(
             control.proc.wait_output, "subscribed router_id=router-under-test known_version=0"
         )
         assert (await http.get(router.admin + "/readyz")).status_code == 503
-        r = await http.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        r = await http.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "control_plane_unavailable"
@@ -70,22 +74,30 @@ async def test_snapshots_drive_the_endpoint_set(
             lambda: httpx.get(router.admin + "/readyz").status_code == 200,
             what="ready after the first snapshot",
         )
-        r = await http.post(router.url + "/v1/chat/completions", json={"model": "m1"})
-        assert r.headers["x-upstream-id"] == "e1"
+        r = await http.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.headers["x-sim-name"] == "e1"
         listing = (await http.get(router.admin + "/v1/endpoints")).json()
         assert listing["version"] == 1
         assert listing["endpoints"][0]["node_id"] == "node-e1"
 
         # A change under load: streams in flight on e1 finish there, new ones go to e2.
         for up in upstreams:
-            up.script(delay=0.02)
+            up.script(itl=0.02)
         results: list[tuple[int, str, str]] = []
 
         async def one() -> None:
-            body = {"model": "m1", "stream": True, "max_tokens": 25, "messages": []}
+            body = {
+                "model": "m1",
+                "stream": True,
+                "max_tokens": 25,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
             async with http.stream("POST", router.url + "/v1/chat/completions", json=body) as resp:
                 text = (await resp.aread()).decode()
-                results.append((resp.status_code, resp.headers.get("x-upstream-id", ""), text))
+                results.append((resp.status_code, resp.headers.get("x-sim-name", ""), text))
 
         async def worker() -> None:
             for _ in range(8):
@@ -121,9 +133,12 @@ def test_last_snapshot_survives_the_control_plane(
     control.stop()
     wait_for(lambda: "control plane stream lost" in router.proc.output(), what="loss noticed")
     for _ in range(5):
-        r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 200
-        assert r.headers["x-upstream-id"] == "e2"
+        assert r.headers["x-sim-name"] == "e2"
     assert httpx.get(router.admin + "/readyz").status_code == 200
 
     # A restarted control plane counts from 1 again; its first snapshot still wins.
@@ -207,5 +222,8 @@ def test_watch_over_mutual_tls(
     assert endpoint_ids(router) == {"e1-replica"}
     assert "plaintext" not in router.proc.output()
     assert '"tls": true' in router.proc.output()
-    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "m1"})
-    assert r.headers["x-upstream-id"] == "e1"
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.headers["x-sim-name"] == "e1"

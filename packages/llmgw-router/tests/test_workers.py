@@ -151,7 +151,7 @@ def test_client_disconnect_cancels_the_upstream_request_in_any_worker(
     spawn_router: Spawn, upstreams: list[Upstream], workers: int
 ) -> None:
     e1, _ = upstreams
-    e1.script(delay=0.2)
+    e1.script(itl=0.2)
     router = spawn_router({"endpoints": [e1.entry(["m1"])], "health_checks": {"enabled": False}})
     before = e1.stats()
     with contextlib.ExitStack() as stack:
@@ -173,7 +173,7 @@ def test_sigterm_lets_streams_finish_in_every_worker(
     spawn_router: Spawn, upstreams: list[Upstream], workers: int
 ) -> None:
     e1, _ = upstreams
-    e1.script(delay=0.05)
+    e1.script(itl=0.05)
     router = spawn_router({"endpoints": [e1.entry(["m1"])], "shutdown_grace": "30s"})
     try:
         with contextlib.ExitStack() as stack:
@@ -261,7 +261,7 @@ def test_an_ejection_in_one_worker_reaches_the_others(
     wait_for(lambda: e1_states() == ["ejected", "ejected"], what="e1 ejected in both workers")
     hits = e1.stats()["started"]
     for _ in range(20):
-        assert post(router).headers["x-upstream-id"] == "e2"
+        assert post(router).headers["x-sim-name"] == "e2"
     assert e1.stats()["started"] == hits
     assert metric(router.metrics(), series) == 1
 
@@ -278,7 +278,7 @@ def test_session_affinity_answers_the_same_in_every_worker(
     for i in range(60):
         session = f"session-{i % 6}"
         r = post(router, headers={"x-session-id": session})
-        owners.setdefault(session, set()).add(r.headers["x-upstream-id"])
+        owners.setdefault(session, set()).add(r.headers["x-sim-name"])
     assert all(len(found) == 1 for found in owners.values()), owners
     assert min(per_worker(router, "llmgw_router_worker_requests_total", 2)) > 0
 
