@@ -83,11 +83,11 @@ stop_engines_on_exit: true
         ("base_backoff: 5s\nmax_backoff: 1s\n", "$.max_backoff"),
         (
             "control: {tls: {insecure: true}, keepalive: 0s}\n",
-            "$.control.keepalive: must be > 0",
+            "$.control.keepalive: must be >= 10ms",
         ),
         (
             "control: {tls: {insecure: true}, keepalive_timeout: 0s}\n",
-            "$.control.keepalive_timeout: must be > 0",
+            "$.control.keepalive_timeout: must be >= 10ms",
         ),
     ],
 )

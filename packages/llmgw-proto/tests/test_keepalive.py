@@ -20,7 +20,7 @@ from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_proto.keepalive import keepalive, keepalive_problem
+from llmgw_proto.keepalive import MIN_SECONDS, keepalive, keepalive_problem
 from llmgw_testkit import Proc, free_port, wait_for
 
 SERVER = """
@@ -41,7 +41,7 @@ asyncio.run(main())
 @given(st.floats(allow_nan=True), st.floats(allow_nan=True))
 def test_keepalive_problem_names_the_field(interval: float, timeout: float) -> None:
     problem = keepalive_problem(interval, timeout)
-    if interval > 0 and timeout > 0:
+    if interval >= MIN_SECONDS and timeout >= MIN_SECONDS:
         assert problem is None
         config = keepalive(interval, timeout)
         assert config._keepalive_time == interval
@@ -50,8 +50,8 @@ def test_keepalive_problem_names_the_field(interval: float, timeout: float) -> N
         assert config._http2_min_sent_ping_interval_without_data <= interval
     else:
         assert problem is not None
-        assert problem[0] == ("keepalive" if not interval > 0 else "keepalive_timeout")
-        assert "must be > 0" in problem[1]
+        assert problem[0] == ("keepalive" if not interval >= MIN_SECONDS else "keepalive_timeout")
+        assert "must be >= 10ms" in problem[1]
 
 
 async def test_a_frozen_peer_ends_the_stream(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ async def test_keepalive_settings_are_checked_and_named(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as err:
             validate(load(path, RouterConfig), str(path))
         assert f"$.control.{field}" in str(err.value)
-        assert "must be > 0" in str(err.value)
+        assert "must be >= 10ms" in str(err.value)
     w = watcher(address="127.0.0.1:7070", keepalive=0.5, keepalive_timeout=1.5)
     channel = w._channel("127.0.0.1", 7070, None)
     config = channel._config

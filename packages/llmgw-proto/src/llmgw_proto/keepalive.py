@@ -19,15 +19,19 @@ from typing import Any
 
 from grpclib.config import Configuration
 
-__all__ = ["keepalive", "keepalive_problem"]
+__all__ = ["MIN_SECONDS", "keepalive", "keepalive_problem"]
+
+# The shortest interval or timeout taken: shorter is no keepalive but a busy loop (and half
+# of a subnormal interval is 0, which grpclib refuses).
+MIN_SECONDS = 0.01
 
 
 def keepalive_problem(interval: float, timeout: float) -> tuple[str, str] | None:
     """(field, what is wrong) for settings grpclib would refuse, or None."""
-    if not interval > 0:
-        return "keepalive", "must be > 0 (e.g. `10s`)"
-    if not timeout > 0:
-        return "keepalive_timeout", "must be > 0 (e.g. `20s`)"
+    if not interval >= MIN_SECONDS:
+        return "keepalive", "must be >= 10ms (e.g. `10s`)"
+    if not timeout >= MIN_SECONDS:
+        return "keepalive_timeout", "must be >= 10ms (e.g. `20s`)"
     return None
 
 
