@@ -80,19 +80,27 @@ def fleet_admin_app(sup: Fleet) -> Any:
         if not results:
             return web.json_response({"error": "no worker answered"}, status=503)
         merged = msgspec.json.decode(results[0][2])
-        # The workers' counts of one endpoint add up; the rest is the first's view.
-        summed = ("outstanding", "awaiting_first_byte")
-        totals: dict[tuple[str, str], int] = {}
+        # The workers' counts of one endpoint add up; each worker records the prefixes it
+        # sent there, so the engine holds at least the largest record; the rest is the
+        # first worker's view.
+        summed = ("outstanding", "awaiting_first_byte", "pending_prefill_blocks")
+        largest = ("live_prefix_blocks",)
+        totals: dict[tuple[str, str], float] = {}
         states: dict[str, list[str]] = {}
         for _, _, body, _ in results:
             for ep in msgspec.json.decode(body).get("endpoints", []):
                 for key in summed:
                     at = (ep["id"], key)
                     totals[at] = totals.get(at, 0) + ep.get(key, 0)
+                for key in largest:
+                    at = (ep["id"], key)
+                    totals[at] = max(totals.get(at, 0), ep.get(key, 0))
                 states.setdefault(ep["id"], []).append(ep.get("state", ""))
         for ep in merged.get("endpoints", []):
-            for key in summed:
-                ep[key] = totals.get((ep["id"], key), ep.get(key, 0))
+            for key in (*summed, *largest):
+                if key in ep:
+                    value = totals.get((ep["id"], key), ep[key])
+                    ep[key] = round(value, 1) if isinstance(value, float) else value
             # Each worker's own view, in worker order (they agree but for moments).
             ep["state_by_worker"] = states.get(ep["id"], [])
         merged["workers"] = len(results)
