@@ -6,7 +6,6 @@ import json
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import assume, given, settings
@@ -14,31 +13,7 @@ from hypothesis import strategies as st
 from llmgw_router.balancing import CacheAware, make_balancer
 from llmgw_router.balancing.prefix import prefix_blocks, prompt_text
 from llmgw_router.config import CacheAwareConfig
-
-
-@dataclass
-class Cand:
-    id: str
-    weight: int = 1
-    outstanding: int = 0
-    load: float = 0.0
-    generation: int = 0
-    up: bool = True
-    awaiting_first: int = 0
-    cache_blocks: int = 0
-    pending: float = 0.0
-    block_time: float = 0.0
-
-    def load_at(self, now: float) -> float:
-        return self.load
-
-    def pending_at(self, now: float) -> float:
-        return self.pending
-
-
-def usable(c: Cand) -> bool:
-    return c.up
-
+from llmgw_testkit.candidates import Cand, usable
 
 candidates = st.lists(
     st.builds(

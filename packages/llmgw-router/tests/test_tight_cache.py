@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,30 +18,7 @@ from llmgw_router.balancing import (
     SessionAffinity,
 )
 from llmgw_router.endpoints import Endpoint, EndpointSpec, EngineLoad
-
-
-@dataclass
-class Cand:
-    id: str
-    weight: int = 1
-    outstanding: int = 0
-    load: float = 0.0
-    generation: int = 0
-    up: bool = True
-    awaiting_first: int = 0
-    cache_blocks: int = 0
-    pending: float = 0.0
-    block_time: float = 0.0
-
-    def load_at(self, now: float) -> float:
-        return self.load
-
-    def pending_at(self, now: float) -> float:
-        return self.pending
-
-
-def usable(c: Cand) -> bool:
-    return c.up
+from llmgw_testkit.candidates import Cand, usable
 
 
 def tenant(t: int, blocks: int, tail: int = 0) -> tuple[int, ...]:
