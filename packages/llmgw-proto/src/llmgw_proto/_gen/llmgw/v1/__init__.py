@@ -7,6 +7,7 @@ __all__ = (
     "AgentMessage",
     "AgentServiceBase",
     "AgentServiceStub",
+    "ApiKey",
     "CacheEvents",
     "CommandResult",
     "ControlMessage",
@@ -28,6 +29,9 @@ __all__ = (
     "Heartbeat",
     "Host",
     "Inventory",
+    "KeySet",
+    "KeyShare",
+    "KeyUsage",
     "LoadReport",
     "LoadUpdate",
     "MultiNode",
@@ -39,6 +43,8 @@ __all__ = (
     "ShardStatus",
     "StartShard",
     "StopShard",
+    "UsageReply",
+    "UsageReport",
     "WatchRequest",
 )
 
@@ -207,6 +213,67 @@ class AgentMessage(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "AgentMessage", AgentMessage)
+
+
+@dataclass(eq=False, repr=False)
+class ApiKey(betterproto2.Message):
+    """
+    One API key as the control plane stores it. The secret itself never leaves `keys create`.
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The key's name, shown in logs, metrics and traces.
+    """
+
+    prefix: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The secret's non-secret leading part (e.g. "llmgw_3f9a1c2b"): the lookup index.
+    """
+
+    sha256: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Hex SHA-256 of the whole secret.
+    """
+
+    models: "list[str]" = betterproto2.field(4, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Served model names (or adapter names) the key may use; empty: any.
+    """
+
+    rpm: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    Fleet-wide limits; 0: unlimited.
+    """
+
+    tpm: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+    max_concurrent: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+
+    priority: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
+    """
+    Priority band name, e.g. "interactive", "default", "batch".
+    """
+
+    weight: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    Weight within its band for fair share; 0 means 1.
+    """
+
+    budget_tokens: "int" = betterproto2.field(10, betterproto2.TYPE_UINT64)
+    """
+    Token budget per period; 0: none.
+    """
+
+    budget_period: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    "day" or "month"; empty when there is no budget.
+    """
+
+    revoked: "bool" = betterproto2.field(12, betterproto2.TYPE_BOOL)
+
+
+default_message_pool.register_message("llmgw.v1", "ApiKey", ApiKey)
 
 
 @dataclass(eq=False, repr=False)
@@ -658,6 +725,90 @@ default_message_pool.register_message("llmgw.v1", "Inventory", Inventory)
 
 
 @dataclass(eq=False, repr=False)
+class KeySet(betterproto2.Message):
+    version: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+    """
+    Increases with every change.
+    """
+
+    keys: "list[ApiKey]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+
+
+default_message_pool.register_message("llmgw.v1", "KeySet", KeySet)
+
+
+@dataclass(eq=False, repr=False)
+class KeyShare(betterproto2.Message):
+    """
+    A router's share of one key's fleet-wide limits until the next reply.
+    """
+
+    key: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    rpm: "float" = betterproto2.field(2, betterproto2.TYPE_DOUBLE)
+
+    tpm: "float" = betterproto2.field(3, betterproto2.TYPE_DOUBLE)
+
+    max_concurrent: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+
+    budget_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    Tokens of the key's budget this router may reserve until its next report; only
+    meaningful when the key has a budget.
+    """
+
+    budget_used: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    Tokens used of the budget this period, fleet-wide, as the store holds it.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "KeyShare", KeyShare)
+
+
+@dataclass(eq=False, repr=False)
+class KeyUsage(betterproto2.Message):
+    """
+    What one key did at one router since that router's previous report.
+    """
+
+    key: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    requests: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+
+    prompt_tokens: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+
+    completion_tokens: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+
+    errors: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+
+    refused: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    Refused with 429 (limits, budget) since the last report.
+    """
+
+    held_seconds: "float" = betterproto2.field(7, betterproto2.TYPE_DOUBLE)
+    """
+    Total seconds requests of this key were held in the fair-share queue.
+    """
+
+    demand_rpm: "float" = betterproto2.field(8, betterproto2.TYPE_DOUBLE)
+    """
+    What the router would have admitted over the last window had it no share limit.
+    """
+
+    demand_tpm: "float" = betterproto2.field(9, betterproto2.TYPE_DOUBLE)
+
+    in_flight: "int" = betterproto2.field(10, betterproto2.TYPE_UINT32)
+    """
+    Requests of this key in flight at the router now.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "KeyUsage", KeyUsage)
+
+
+@dataclass(eq=False, repr=False)
 class LoadReport(betterproto2.Message):
     """
     The latest figures of the node's engines whose figures changed since the last report.
@@ -975,6 +1126,43 @@ default_message_pool.register_message("llmgw.v1", "StopShard", StopShard)
 
 
 @dataclass(eq=False, repr=False)
+class UsageReply(betterproto2.Message):
+    shares: "list[KeyShare]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    valid_for: "datetime.timedelta | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: __google__protobuf__.Duration, optional=True
+    )
+    """
+    How long the shares hold if no further reply comes; after it the router falls
+    back to a safe fraction of each limit.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "UsageReply", UsageReply)
+
+
+@dataclass(eq=False, repr=False)
+class UsageReport(betterproto2.Message):
+    router_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    usage: "list[KeyUsage]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    sequence: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    Increases with every report from this router process; lets the control plane
+    count each report's deltas once (a retried report is not counted twice).
+    """
+
+    instance: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    Random per router process, so a restarted router starts a new sequence.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "UsageReport", UsageReport)
+
+
+@dataclass(eq=False, repr=False)
 class WatchRequest(betterproto2.Message):
     router_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
@@ -1086,6 +1274,51 @@ class EndpointServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def watch_keys(
+        self,
+        message: "WatchRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "AsyncIterator[KeySet]":
+        """
+        The API keys the control plane manages, as hashes only: the whole set on subscribe
+        and again on every change (a router keeps its last set when the stream is lost).
+        """
+
+        async for response in self._unary_stream(
+            "/llmgw.v1.EndpointService/WatchKeys",
+            message,
+            KeySet,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        ):
+            yield response
+
+    async def report_usage(
+        self,
+        message: "UsageReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "UsageReply":
+        """
+        Every second or so a router reports what each key used since its last report and
+        what it wants; the reply is the router's share of each key's fleet-wide limits.
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.EndpointService/ReportUsage",
+            message,
+            UsageReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 from ...google import protobuf as __google__protobuf__
 
@@ -1151,6 +1384,23 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def watch_keys(self, message: "WatchRequest") -> "AsyncIterator[KeySet]":
+        """
+        The API keys the control plane manages, as hashes only: the whole set on subscribe
+        and again on every change (a router keeps its last set when the stream is lost).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+        yield KeySet()
+
+    async def report_usage(self, message: "UsageReport") -> "UsageReply":
+        """
+        Every second or so a router reports what each key used since its last report and
+        what it wants; the reply is the router's share of each key's fleet-wide limits.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_watch(
         self, stream: "grpclib.server.Stream[WatchRequest, EndpointSnapshot]"
     ) -> None:
@@ -1181,6 +1431,23 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_demand(request)
         await stream.send_message(response)
 
+    async def __rpc_watch_keys(self, stream: "grpclib.server.Stream[WatchRequest, KeySet]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await self._call_rpc_handler_server_stream(
+            self.watch_keys,
+            stream,
+            request,
+        )
+
+    async def __rpc_report_usage(
+        self, stream: "grpclib.server.Stream[UsageReport, UsageReply]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_usage(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.EndpointService/Watch": grpclib.const.Handler(
@@ -1200,5 +1467,17 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 DemandRequest,
                 DemandReply,
+            ),
+            "/llmgw.v1.EndpointService/WatchKeys": grpclib.const.Handler(
+                self.__rpc_watch_keys,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                WatchRequest,
+                KeySet,
+            ),
+            "/llmgw.v1.EndpointService/ReportUsage": grpclib.const.Handler(
+                self.__rpc_report_usage,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                UsageReport,
+                UsageReply,
             ),
         }
