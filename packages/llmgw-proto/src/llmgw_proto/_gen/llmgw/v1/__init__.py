@@ -32,6 +32,7 @@ __all__ = (
     "KeySet",
     "KeyShare",
     "KeyUsage",
+    "LoadAdapter",
     "LoadReport",
     "LoadUpdate",
     "MultiNode",
@@ -43,6 +44,7 @@ __all__ = (
     "ShardStatus",
     "StartShard",
     "StopShard",
+    "UnloadAdapter",
     "UsageReply",
     "UsageReport",
     "WatchRequest",
@@ -351,6 +353,18 @@ class ControlMessage(betterproto2.Message):
         4, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
     )
 
+    load_adapter: "LoadAdapter | None" = betterproto2.field(
+        60, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    LoRA adapters (issue 30): load or unload one on a running engine; the agent
+    answers with a CommandResult once the engine has answered.
+    """
+
+    unload_adapter: "UnloadAdapter | None" = betterproto2.field(
+        61, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+
 
 default_message_pool.register_message("llmgw.v1", "ControlMessage", ControlMessage)
 
@@ -364,6 +378,12 @@ class DeclaredModel(betterproto2.Message):
     scale_to_zero: "bool" = betterproto2.field(3, betterproto2.TYPE_BOOL)
     """
     Replicas may be zero: a router holds requests for it instead of answering 404.
+    """
+
+    adapters: "list[str]" = betterproto2.field(60, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The model's LoRA adapters, by name: a request naming one is served by a replica
+    of this model that holds it (EndpointLoad.adapters).
     """
 
 
@@ -395,6 +415,11 @@ class DemandRequest(betterproto2.Message):
     held: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
     """
     Requests the router holds for it now.
+    """
+
+    requests: "int" = betterproto2.field(60, betterproto2.TYPE_UINT32)
+    """
+    Requests for it the router received since its last report (LoRA adapters' demand).
     """
 
 
@@ -529,6 +554,11 @@ class EndpointLoad(betterproto2.Message):
     The engine's KV cache in tokens, as it reports it; 0 when not known.
     """
 
+    adapters: "list[str]" = betterproto2.field(60, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The LoRA adapters the engine holds now, by name.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "EndpointLoad", EndpointLoad)
 
@@ -626,6 +656,11 @@ class EngineLoad(betterproto2.Message):
     """
     The engine's KV cache in tokens (vLLM: cache_config_info num_gpu_blocks x block_size;
     SGLang: max_total_num_tokens); 0 when it does not say.
+    """
+
+    adapters: "list[str]" = betterproto2.field(60, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The LoRA adapters the engine holds now (loaded through the agent), by name.
     """
 
 
@@ -806,6 +841,30 @@ class KeyUsage(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "KeyUsage", KeyUsage)
+
+
+@dataclass(eq=False, repr=False)
+class LoadAdapter(betterproto2.Message):
+    """
+    Load a LoRA adapter on a running engine under ``name`` (what requests name as `model`),
+    through the engine's own runtime API (vLLM, SGLang: load_lora_adapter).
+    """
+
+    command_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    shard_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    name: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    source: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    A path on the node or a hub id the engine can fetch.
+    """
+
+    epoch: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("llmgw.v1", "LoadAdapter", LoadAdapter)
 
 
 @dataclass(eq=False, repr=False)
@@ -1123,6 +1182,24 @@ class StopShard(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "StopShard", StopShard)
+
+
+@dataclass(eq=False, repr=False)
+class UnloadAdapter(betterproto2.Message):
+    """
+    Unload a LoRA adapter from a running engine (its slot is freed for another).
+    """
+
+    command_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    shard_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    name: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    epoch: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("llmgw.v1", "UnloadAdapter", UnloadAdapter)
 
 
 @dataclass(eq=False, repr=False)
