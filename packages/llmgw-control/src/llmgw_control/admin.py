@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -19,12 +20,29 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from llmgw_control import webpage
 
-__all__ = ["AdminServer", "StatusSource"]
+__all__ = ["AdminServer", "Answer", "Handler", "StatusSource", "json_answer"]
 
 log = structlog.get_logger(__name__)
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS = {
+    200: "OK",
+    201: "Created",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    413: "Content Too Large",
+    503: "Service Unavailable",
+}
 _JSON = "application/json"
+# The largest request body an extra handler is given (keys and operator verbs are small).
+MAX_BODY = 64 * 1024
+
+# Status, content type, body.
+Answer = tuple[int, str, bytes]
+# A route served by another module (keys, usage, ...): (method, target, body) -> an
+# answer, or None when the path is not its own. It may await (a store write).
+Handler = Callable[[str, str, bytes], Awaitable[Answer | None]]
 
 
 class StatusSource(Protocol):
@@ -41,6 +59,8 @@ class AdminServer:
         self.registry = registry
         # Shown on /healthz so nobody runs plaintext streams without noticing.
         self.insecure = insecure
+        # Asked in order before the built-in GET routes (see Handler).
+        self.handlers: list[Handler] = []
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -90,7 +110,7 @@ class AdminServer:
                 method = "GET"
             else:
                 method = parts[0]
-                status, ctype, body = self.route(method, parts[1])
+                status, ctype, body = await self._answer(method, parts[1], reader, head)
             headers = (
                 f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
                 f"Content-Type: {ctype}\r\n"
@@ -108,6 +128,36 @@ class AdminServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    async def _answer(
+        self, method: str, target: str, reader: asyncio.StreamReader, head: bytes
+    ) -> Answer:
+        """The extra handlers' answer (with the request's body), else the GET routes'."""
+        if self.handlers:
+            length = _content_length(head)
+            if length is None:
+                return _error(400, "malformed Content-Length header")
+            if length > MAX_BODY:
+                return _error(413, f"request body over {MAX_BODY} bytes")
+            body = await asyncio.wait_for(reader.readexactly(length), 10.0) if length else b""
+            for handler in self.handlers:
+                found = await handler(method, target, body)
+                if found is not None:
+                    return found
+        return self.route(method, target)
 
-def _error(status: int, message: str) -> tuple[int, str, bytes]:
+
+def _content_length(head: bytes) -> int | None:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            text = value.strip()
+            return int(text) if text.isdigit() else None
+    return 0
+
+
+def json_answer(status: int, data: Any) -> Answer:
+    return status, _JSON, msgspec.json.encode(data)
+
+
+def _error(status: int, message: str) -> Answer:
     return status, _JSON, msgspec.json.encode({"error": message})
