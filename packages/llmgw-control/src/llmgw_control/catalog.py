@@ -76,6 +76,8 @@ class ProfileConfig(BaseConfig):
     nodes: Positive = 1
     gpu: GpuConstraint = msgspec.field(default_factory=GpuConstraint)
     same_label: str = ""
+    # Replicas of this profile spread over: node (the default), none (pack), or a label.
+    spread: str = "node"
     replicas: NonNegative | ReplicaRange = 1
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
@@ -121,6 +123,8 @@ class ProfileSpec:
     idle_after: float = 600.0
     max_surge: int = 1
     max_unavailable: int = 0
+    # What replicas spread over: "node", "none" or a node label (placement.Demand).
+    spread: str = "node"
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -288,6 +292,13 @@ def _check_profile(
         raise ConfigError(
             source, "llama.cpp replicas run on one node: use nodes: 1", f"{where}.nodes"
         )
+    spread = profile.spread.strip()
+    if not spread:
+        raise ConfigError(
+            source,
+            "spread must be node, none, or a node label such as zone",
+            f"{where}.spread",
+        )
     served = tuple(profile.served_model_names) or (model,)
     for j, served_name in enumerate(served):
         if not served_name.strip():
@@ -352,4 +363,5 @@ def _check_profile(
         idle_after=float(profile.idle_after),
         max_surge=profile.rollout.max_surge,
         max_unavailable=profile.rollout.max_unavailable,
+        spread=spread,
     )

@@ -2,9 +2,11 @@
 
 Pure functions over :class:`NodeView` values, no I/O. Like Nomad's feasibility and
 rank iterators: each filter removes the nodes that cannot take a shard and records
-why; the nodes left are ranked (the fullest node that still fits wins, so large
-replicas keep finding whole nodes). When nothing fits, the record becomes a sentence
-a person can act on:
+why; the nodes left are ranked: first by spread (the fewest replicas of the same
+profile in the node's spread domain: the node itself, or its value of a ``spread``
+label such as ``zone``), then by packing (the fullest node that still fits wins, so
+large replicas keep finding whole nodes). When nothing fits, the record becomes a
+sentence a person can act on:
 
     0 of 3 nodes fit: 2 have too few free GPUs (need 4, most free is 2 on gpu-b),
     1 is lost (gpu-c)
@@ -22,6 +24,8 @@ from llmgw_control.catalog import ProfileSpec
 from llmgw_control.inventory import GpuSlot, NodeState
 
 __all__ = [
+    "SPREAD_NODE",
+    "SPREAD_NONE",
     "Demand",
     "GpuSlot",
     "NodeView",
@@ -79,6 +83,11 @@ class NodeView:
         return ports
 
 
+# Profile ``spread`` values: spread over nodes (the default), or do not spread.
+SPREAD_NODE = "node"
+SPREAD_NONE = "none"
+
+
 @dataclass(frozen=True)
 class Demand:
     """What one replica needs: per-node GPUs and constraints, nodes, shared label."""
@@ -88,6 +97,9 @@ class Demand:
     gpu_name: str = "*"
     min_memory_bytes: int = 0
     same_label: str = ""
+    # What replicas of one profile spread over: "" packs (no spreading), SPREAD_NODE
+    # the nodes themselves, any other text the values of that node label.
+    spread: str = ""
 
     @classmethod
     def of(cls, profile: ProfileSpec) -> Demand:
@@ -97,7 +109,14 @@ class Demand:
             gpu_name=profile.gpu_name,
             min_memory_bytes=profile.min_memory_bytes,
             same_label=profile.same_label,
+            spread="" if profile.spread == SPREAD_NONE else profile.spread,
         )
+
+    def domain(self, node: NodeView) -> str:
+        """The spread domain of ``node``: its id, or its value of the spread label."""
+        if self.spread == SPREAD_NODE:
+            return node.node_id
+        return node.labels.get(self.spread, "")
 
     @property
     def ports_per_node(self) -> int:
@@ -235,15 +254,23 @@ def _phrase(name: str, r: _Removal, demand: Demand, lo: int, hi: int) -> str:
 
 
 def place(
-    demand: Demand, nodes: Iterable[NodeView], port_range: tuple[int, int]
+    demand: Demand,
+    nodes: Iterable[NodeView],
+    port_range: tuple[int, int],
+    placed: Mapping[str, int] | None = None,
 ) -> Placement | Unplaceable:
-    """Choose nodes, GPUs and ports for one replica, or say why no node can take it."""
+    """Choose nodes, GPUs and ports for one replica, or say why no node can take it.
+
+    ``placed`` counts, per node id, the shards of the profile's other replicas there:
+    with ``demand.spread`` the node whose spread domain holds the fewest wins.
+    """
     lo, hi = port_range
     removals: dict[str, _Removal] = {}
+    refused: dict[str, str] = {}
     fitting: list[tuple[int, NodeView]] = []
-    total = 0
+    seen: list[NodeView] = []
     for node in nodes:
-        total += 1
+        seen.append(node)
         reason, value = _filter(node, demand, lo, hi)
         if reason is None:
             # Rank key: free GPUs left after placing here (fewest wins), or for
@@ -252,8 +279,11 @@ def place(
             fitting.append((left, node))
         else:
             removals.setdefault(reason, _Removal()).add(node.node_id, value)
+            refused[node.node_id] = reason
+    total = len(seen)
+    crowd = domain_counts(demand, seen, placed or {})
 
-    chosen = _choose(demand, fitting)
+    chosen = _choose(demand, fitting, crowd)
     placement = _assign(demand, chosen, lo, hi) if chosen is not None else None
     if chosen is not None and placement is None:
         return Unplaceable(
@@ -267,7 +297,8 @@ def place(
         return Placement(
             placement.shards,
             placement.rendezvous_port,
-            f"{len(fitting)} of {total} nodes fit; {_why(demand, chosen, fitting)}",
+            f"{len(fitting)} of {total} nodes fit; {_why(demand, chosen, fitting)}"
+            + spread_note(demand, chosen, crowd, seen, refused),
         )
 
     removed = {name: len(removals[name].nodes) for name in FILTERS if name in removals}
@@ -283,6 +314,74 @@ def place(
     else:
         text = f"0 of {total} nodes fit: " + ", ".join(parts)
     return Unplaceable(text, total, len(fitting), removed)
+
+
+def domain_counts(
+    demand: Demand, nodes: Iterable[NodeView], placed: Mapping[str, int]
+) -> dict[str, int]:
+    """Shards of the profile's replicas per spread domain; {} when it does not spread."""
+    if not demand.spread or not placed:
+        return {}
+    counts: dict[str, int] = {}
+    for node in nodes:
+        count = placed.get(node.node_id, 0)
+        if count:
+            domain = demand.domain(node)
+            counts[domain] = counts.get(domain, 0) + count
+    return counts
+
+
+# Why a node could not take a shard, in a few words (the spread note's list).
+_SHORT = {
+    "lost": "lost",
+    "unreachable": "unreachable",
+    "cordoned": "cordoned",
+    "address": "no address",
+    "gpu_name": "no matching GPUs",
+    "gpu_memory": "GPUs too small",
+    "free_gpus": "too few free GPUs",
+    "label": "lacks the label",
+    "ports": "no free port",
+}
+
+
+def _where(demand: Demand, domain: str) -> str:
+    if demand.spread == SPREAD_NODE:
+        return domain
+    return f"{demand.spread}={domain or '(none)'}"
+
+
+def spread_note(
+    demand: Demand,
+    chosen: Sequence[NodeView],
+    crowd: Mapping[str, int],
+    nodes: Iterable[NodeView],
+    refused: Mapping[str, str],
+) -> str:
+    """What spreading did for this placement, for ``explain``; "" when nothing to say."""
+    if not demand.spread or not crowd:
+        return ""
+    here = max(chosen, key=lambda n: crowd.get(demand.domain(n), 0))
+    domain = demand.domain(here)
+    count = crowd.get(domain, 0)
+    unit = "node" if demand.spread == SPREAD_NODE else f"{demand.spread} value"
+    if count == 0:
+        return f"; spread: no other replica of this profile on {_where(demand, domain)}"
+    fewer = [
+        node for node in nodes if crowd.get(demand.domain(node), 0) < count and node not in chosen
+    ]
+    if not fewer:
+        return f"; spread: every {unit} already has {count} or more of this profile's replicas"
+    fewer.sort(key=lambda n: n.node_id)
+    why = "; ".join(
+        f"{n.node_id}: {_SHORT.get(refused.get(n.node_id, ''), 'fits, but not with the rest of this replica')}"
+        for n in fewer[:3]
+    )
+    more = f"; +{len(fewer) - 3} more" if len(fewer) > 3 else ""
+    return (
+        f"; spreading was not possible: {_where(demand, domain)} already has {count} of "
+        f"this profile's replicas and no {unit} with fewer fits ({why}{more})"
+    )
 
 
 def _why(demand: Demand, chosen: list[NodeView], fitting: list[tuple[int, NodeView]]) -> str:
@@ -311,26 +410,35 @@ def _group_shortfall(demand: Demand, fitting: list[tuple[int, NodeView]]) -> str
     return f"need {demand.nodes} sharing one {demand.same_label} (most is {counts[best]} in {best})"
 
 
-def _choose(demand: Demand, fitting: list[tuple[int, NodeView]]) -> list[NodeView] | None:
+def _choose(
+    demand: Demand, fitting: list[tuple[int, NodeView]], crowd: Mapping[str, int]
+) -> list[NodeView] | None:
     if len(fitting) < demand.nodes:
         return None
+
+    def rank(f: tuple[int, NodeView]) -> tuple[int, int, str]:
+        # Spread first (the fewest of this profile in the node's domain), then packing.
+        spread = crowd.get(demand.domain(f[1]), 0) if crowd else 0
+        return (spread, f[0], f[1].node_id)
+
     if demand.nodes == 1:
-        _, node = min(fitting, key=lambda f: (f[0], f[1].node_id))
+        _, node = min(fitting, key=rank)
         return [node]
     groups: dict[str, list[tuple[int, NodeView]]] = {}
     for entry in fitting:
         value = entry[1].labels[demand.same_label] if demand.same_label else ""
         groups.setdefault(value, []).append(entry)
-    best: tuple[int, str, list[NodeView]] | None = None
+    best: tuple[int, int, str, list[NodeView]] | None = None
     for value, members in groups.items():
         if len(members) < demand.nodes:
             continue
-        members.sort(key=lambda f: (f[0], f[1].node_id))
+        members.sort(key=rank)
         picked = members[: demand.nodes]
+        spread = sum(rank(f)[0] for f in picked)
         score = sum(left for left, _ in picked)
-        if best is None or (score, value) < (best[0], best[1]):
-            best = (score, value, [node for _, node in picked])
-    return None if best is None else best[2]
+        if best is None or (spread, score, value) < (best[0], best[1], best[2]):
+            best = (spread, score, value, [node for _, node in picked])
+    return None if best is None else best[3]
 
 
 def _assign(demand: Demand, chosen: Sequence[NodeView], lo: int, hi: int) -> Placement | None:
@@ -400,15 +508,19 @@ class Placer:
         # unplaceable replicas of one profile cost one explaining scan, not one each.
         self._failed: dict[Demand, Unplaceable] = {}
 
-    def place(self, demand: Demand) -> Placement | Unplaceable:
+    def place(
+        self, demand: Demand, placed: Mapping[str, int] | None = None
+    ) -> Placement | Unplaceable:
+        """Place one replica; ``placed``: shards of its profile's replicas per node id."""
         failed = self._failed.get(demand)
         if failed is not None:
             return failed
+        placed = placed or {}
         result: Placement | Unplaceable | None = None
         if demand.nodes == 1 and demand.gpus_per_node > 0:
-            result = self._fast(demand)
+            result = self._fast(demand, placed)
         if result is None:
-            result = place(demand, self.nodes.values(), self.port_range)
+            result = place(demand, self.nodes.values(), self.port_range, placed)
         if isinstance(result, Placement):
             self.commit(result)
         else:
@@ -441,23 +553,25 @@ class Placer:
             if node.state == NodeState.READY and node.address:
                 buckets.setdefault(self._free(node, key), set()).add(node.node_id)
 
-    def _fast(self, demand: Demand) -> Placement | None:
+    def _fast(self, demand: Demand, placed: Mapping[str, int]) -> Placement | None:
+        """The fullest fitting node in the emptiest spread domain, found through the index.
+
+        None (the caller scans) when the best node found shares a domain with another
+        replica of the profile: only a scan can say why spreading was not possible.
+        """
         lo, hi = self.port_range
         key = (demand.gpu_name, demand.min_memory_bytes)
         buckets = self._buckets(key)
         total = len(self.nodes)
+        crowd = domain_counts(demand, (self.nodes[n] for n in placed if n in self.nodes), placed)
         enough = sorted(k for k in buckets if k >= demand.gpus_per_node)
         for free in enough:
-            chosen = next(
-                (
-                    node_id
-                    for node_id in sorted(buckets[free])
-                    if _filter(self.nodes[node_id], demand, lo, hi)[0] is None
-                ),
-                None,
-            )
-            if chosen is not None:
-                node = self.nodes[chosen]
+            for node_id in sorted(buckets[free]):
+                node = self.nodes[node_id]
+                if crowd and crowd.get(demand.domain(node), 0):
+                    continue
+                if _filter(node, demand, lo, hi)[0] is not None:
+                    continue
                 placement = _assign(demand, [node], lo, hi)
                 assert placement is not None  # one node, and _filter saw its free port
                 # Counting what fits exactly would mean the scan this index avoids.
@@ -467,6 +581,7 @@ class Placer:
                     placement.shards,
                     0,
                     f"{roomy} of {total} nodes have {demand.gpus_per_node} or more free GPUs; "
-                    f"chose {node.node_id}, the fullest that fits ({left} free GPUs left after this)",
+                    f"chose {node.node_id}, the fullest that fits ({left} free GPUs left after this)"
+                    + spread_note(demand, [node], crowd, (), {}),
                 )
         return None

@@ -12,6 +12,7 @@ that runs it lives in :mod:`llmgw_control.controller`.
 from __future__ import annotations
 
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -417,11 +418,18 @@ class _Pass:
         if not waiting:
             return
         placer = Placer(self._views().values(), self.s.port_range)
+        # Per profile: its live replicas' shards per node, what spreading ranks by.
+        spread: dict[tuple[str, str], Counter[str]] = {}
+        for other in self.state.replicas.values():
+            if other.placed and not other.draining:
+                counts = spread.setdefault((other.model, other.profile), Counter())
+                counts.update(plan.node_id for plan in other.shards)
         for r in waiting:
             profile = self.catalog.get(r.model, r.profile)
             if profile is None:
                 continue
-            result = placer.place(Demand.of(profile))
+            on = spread.setdefault((r.model, r.profile), Counter())
+            result = placer.place(Demand.of(profile), on)
             if not isinstance(result, Placement):
                 r.explanation = result.explanation
                 continue
@@ -435,6 +443,7 @@ class _Pass:
                 ShardPlan(r.shard_id(s.rank), s.node_id, s.rank, s.gpu_indices, s.port, s.address)
                 for s in result.shards
             ]
+            on.update(s.node_id for s in result.shards)
             for plan in r.shards:
                 plan.start_session = self.nodes[plan.node_id].session_id
                 self.commands.append(self._start(r, plan))
