@@ -35,12 +35,14 @@ def test_ca_key_is_owner_only_and_init_refuses_to_overwrite(ca_dir: Path) -> Non
 def test_issue_needs_a_ca_and_a_known_role(tmp_path: Path, ca_dir: Path) -> None:
     with pytest.raises(CaError, match="run `llmgw-control ca init"):
         issue(tmp_path / "none", "node", "gpu-a")
-    with pytest.raises(CaError, match="unknown role 'admin'"):
-        issue(ca_dir, "admin", "x")
+    with pytest.raises(CaError, match="unknown role 'operator'"):
+        issue(ca_dir, "operator", "x")
     with pytest.raises(CaError, match="invalid name"):
         issue(ca_dir, "node", "../etc")
     node = issue(ca_dir, "node", "gpu-a")
     assert node.cert.name == "node-gpu-a.crt"
+    # An operator's certificate for admin changes (issue 29).
+    assert issue(ca_dir, "admin", "alice").cert.name == "admin-alice.crt"
     assert stat.S_IMODE(node.key.stat().st_mode) == 0o600
 
 

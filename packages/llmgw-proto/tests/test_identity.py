@@ -34,7 +34,7 @@ def test_a_well_formed_certificate_reads() -> None:
         ([(OU, "node"), (CN, "gpu-a"), (CN, "gpu-b")], "2 common names"),
         ([(OU, "node"), (OU, "router"), (CN, "gpu-a")], "2 organizational units"),
         ([(OU, "node"), (OU, "node"), (CN, "gpu-a")], "2 organizational units"),
-        ([(OU, "admin"), (CN, "gpu-a")], "is not node, router or server"),
+        ([(OU, "operator"), (CN, "gpu-a")], "is not node, router, server or admin"),
         ([(OU, "node"), (CN, "")], "an empty common name"),
         ([(OU, "node"), (CN, "  ")], "an empty common name"),
         ([(OU, "node"), (CN, " gpu-a")], "is not a valid name"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -19,8 +21,17 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw_control import webpage
+from llmgw_control.auth import Credentials, Denied, authorize
 
-__all__ = ["AdminServer", "Answer", "Handler", "StatusSource", "json_answer"]
+__all__ = [
+    "CHANGED_BY",
+    "AdminServer",
+    "Answer",
+    "Handler",
+    "StatusSource",
+    "Streamer",
+    "json_answer",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -28,6 +39,8 @@ _REASONS = {
     200: "OK",
     201: "Created",
     400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     409: "Conflict",
@@ -43,6 +56,11 @@ Answer = tuple[int, str, bytes]
 # A route served by another module (keys, usage, ...): (method, target, body) -> an
 # answer, or None when the path is not its own. It may await (a store write).
 Handler = Callable[[str, str, bytes], Awaitable[Answer | None]]
+# A GET route that writes its own streaming response (engine logs): (target, writer) ->
+# True when it was its own path and it answered.
+Streamer = Callable[[str, asyncio.StreamWriter], Awaitable[bool]]
+# Who made the change a handler is serving (llmgw_control.auth: "token", "admin:NAME").
+CHANGED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("changed_by", default="")
 
 
 class StatusSource(Protocol):
@@ -61,10 +79,13 @@ class AdminServer:
         self.insecure = insecure
         # Asked in order before the built-in GET routes (see Handler).
         self.handlers: list[Handler] = []
+        self.streamers: list[Streamer] = []
+        # Every request but GET and HEAD needs these (llmgw_control.auth); None: no check.
+        self.credentials: Credentials | None = None
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+    async def start(self, host: str, port: int, *, tls: ssl.SSLContext | None = None) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=tls)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -110,7 +131,13 @@ class AdminServer:
                 method = "GET"
             else:
                 method = parts[0]
-                status, ctype, body = await self._answer(method, parts[1], reader, head)
+                if method == "GET" and await self._stream(parts[1], writer):
+                    return
+                denied = self._denied(method, parts[1], head, writer)
+                if denied is not None:
+                    status, ctype, body = denied
+                else:
+                    status, ctype, body = await self._answer(method, parts[1], reader, head)
             headers = (
                 f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
                 f"Content-Type: {ctype}\r\n"
@@ -127,6 +154,34 @@ class AdminServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _stream(self, target: str, writer: asyncio.StreamWriter) -> bool:
+        for streamer in self.streamers:
+            if await streamer(target, writer):
+                return True
+        return False
+
+    def _denied(
+        self, method: str, target: str, head: bytes, writer: asyncio.StreamWriter
+    ) -> Answer | None:
+        """A change without the admin credential is refused; who made it, for the handlers."""
+        if method in ("GET", "HEAD") or self.credentials is None:
+            return None
+        who = authorize(
+            self.credentials, _header(head, b"authorization"), writer.get_extra_info("peercert")
+        )
+        if isinstance(who, Denied):
+            peer = writer.get_extra_info("peername")
+            log.warning(
+                "admin change refused",
+                method=method[:10],
+                path=urllib.parse.urlsplit(target).path[:200],
+                peer=str(peer[0]) if peer else "",
+                why=who.reason,
+            )
+            return _error(who.status, who.reason)
+        CHANGED_BY.set(who)
+        return None
 
     async def _answer(
         self, method: str, target: str, reader: asyncio.StreamReader, head: bytes
@@ -153,6 +208,14 @@ def _content_length(head: bytes) -> int | None:
             text = value.strip()
             return int(text) if text.isdigit() else None
     return 0
+
+
+def _header(head: bytes, name: bytes) -> str:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip().decode("latin-1")
+    return ""
 
 
 def json_answer(status: int, data: Any) -> Answer:

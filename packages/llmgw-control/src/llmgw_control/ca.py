@@ -4,9 +4,10 @@
     llmgw-control ca issue --dir DIR --node gpu-a        # an agent's client certificate
     llmgw-control ca issue --dir DIR --router edge-1     # a router's client certificate
     llmgw-control ca issue --dir DIR --server ctl.example,10.0.0.2   # the control plane's
+    llmgw-control ca issue --dir DIR --admin alice       # an operator's, for admin changes
 
 A certificate's subject carries the holder's role in the organizational unit
-(``node``, ``router``, ``server``) and its name in the common name; the control
+(``node``, ``router``, ``server``, ``admin``) and its name in the common name; the control
 plane reads both from the peer certificate of every stream.
 """
 
@@ -25,7 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = ["ROLES", "CaError", "Issued", "init_ca", "issue"]
 
-ROLES = ("node", "router", "server")
+ROLES = ("node", "router", "server", "admin")
 ORGANIZATION = "llmgw"
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
@@ -141,7 +142,7 @@ def issue(
     not_after: datetime.datetime | None = None,
     out: Path | None = None,
 ) -> Issued:
-    """Issue a certificate for ``role`` (node, router or server) named ``name``.
+    """Issue a certificate for ``role`` (node, router, server or admin) named ``name``.
 
     Server certificates list ``hosts`` (DNS names or IP addresses) as subject
     alternative names; clients need nothing but their name.

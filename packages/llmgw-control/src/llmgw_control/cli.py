@@ -433,6 +433,12 @@ def ca_init(directory: Path, days: int) -> None:
 @click.option("--node", "node", metavar="NAME", help="A node's client certificate (its node id).")
 @click.option("--router", "router", metavar="NAME", help="A router's client certificate.")
 @click.option(
+    "--admin",
+    "admin_name",
+    metavar="NAME",
+    help="An operator's client certificate: may change the fleet through the admin API.",
+)
+@click.option(
     "--server",
     "server",
     metavar="HOST[,HOST...]",
@@ -449,20 +455,29 @@ def ca_issue(
     directory: Path,
     node: str | None,
     router: str | None,
+    admin_name: str | None,
     server: str | None,
     days: int,
     out: Path | None,
 ) -> None:
-    """Issue one certificate: exactly one of --node, --router or --server."""
+    """Issue one certificate: exactly one of --node, --router, --admin or --server."""
     from llmgw_control.ca import CaError, issue
 
     chosen = [
         (role, value)
-        for role, value in (("node", node), ("router", router), ("server", server))
+        for role, value in (
+            ("node", node),
+            ("router", router),
+            ("admin", admin_name),
+            ("server", server),
+        )
         if value
     ]
     if len(chosen) != 1:
-        fail("give exactly one of --node NAME, --router NAME or --server HOST[,HOST...]")
+        fail(
+            "give exactly one of --node NAME, --router NAME, --admin NAME "
+            "or --server HOST[,HOST...]"
+        )
     role, value = chosen[0]
     hosts = [h.strip() for h in value.split(",") if h.strip()] if role == "server" else []
     name = hosts[0] if hosts else value

@@ -26,6 +26,7 @@ from llmgw_proto.addr import HostPort, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 from llmgw_proto.tls import TlsConfig
 
+from llmgw_control.auth import AdminAuth
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 
 __all__ = [
@@ -115,6 +116,8 @@ class HaSettings(BaseConfig):
 class ControlConfig(BaseConfig):
     listen: str = "0.0.0.0:7070"
     admin_listen: str = "127.0.0.1:9091"
+    # Who may change the fleet through the admin API (llmgw_control.auth).
+    admin_auth: AdminAuth = msgspec.field(default_factory=AdminAuth)
     # The largest gRPC message the control plane reads (AgentService, EndpointService):
     # a larger one is refused with RESOURCE_EXHAUSTED from its length prefix, unread.
     max_message_bytes: MessageBytes = 4 * 1024 * 1024

@@ -93,7 +93,7 @@ def client_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
 class PeerIdentity:
     """Who is at the other end of a stream, from its certificate's subject."""
 
-    role: str  # node, router or server (the organizational unit)
+    role: str  # node, router, server or admin (the organizational unit)
     name: str  # the common name: a node id, a router name, a host
 
 
@@ -101,7 +101,8 @@ class UnreadableIdentity(ValueError):
     """A verified certificate whose subject does not say who it is (see read_identity)."""
 
 
-ROLES = ("node", "router", "server")
+# admin: an operator allowed to change the fleet through the admin API (issue 29).
+ROLES = ("node", "router", "server", "admin")
 # Longer than any node id or host name; a subject field is at most 64 characters anyway.
 MAX_NAME = 253
 
@@ -149,14 +150,16 @@ def read_identity(peer_cert: dict[str, object] | None) -> PeerIdentity:
     if name != name.strip() or len(name) > MAX_NAME or not name.isprintable():
         raise UnreadableIdentity(f"common name {name[:80]!r} is not a valid name")
     if not roles:
-        raise UnreadableIdentity(f"no organizational unit (node, router or server) for {name!r}")
+        raise UnreadableIdentity(
+            f"no organizational unit (node, router, server or admin) for {name!r}"
+        )
     if len(roles) > 1:
         raise UnreadableIdentity(
             f"{len(roles)} organizational units for {name!r}: {', '.join(map(repr, roles))}"
         )
     if roles[0] not in ROLES:
         raise UnreadableIdentity(
-            f"organizational unit {roles[0][:80]!r} for {name!r} is not node, router or server"
+            f"organizational unit {roles[0][:80]!r} for {name!r} is not node, router, server or admin"
         )
     return PeerIdentity(role=roles[0], name=name)
 
