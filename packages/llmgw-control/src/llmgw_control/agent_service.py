@@ -116,7 +116,13 @@ class AgentService:
         session = self.sessions.get(node_id)
         if session is None or not self.may_dispatch():
             return False
-        for command in (msg.start_shard, msg.stop_shard, msg.drain_shard):
+        for command in (
+            msg.start_shard,
+            msg.stop_shard,
+            msg.drain_shard,
+            msg.load_adapter,
+            msg.unload_adapter,
+        ):
             if command is not None:
                 command.epoch = self.epoch
         session.outbox.put_nowait(msg)
@@ -384,4 +390,10 @@ def admitted_while_deposed(handler: Callable[[Any], Awaitable[None]]) -> bool:
 
 
 def _is_command(msg: v1.ControlMessage) -> bool:
-    return msg.start_shard is not None or msg.stop_shard is not None or msg.drain_shard is not None
+    return (
+        msg.start_shard is not None
+        or msg.stop_shard is not None
+        or msg.drain_shard is not None
+        or msg.load_adapter is not None
+        or msg.unload_adapter is not None
+    )

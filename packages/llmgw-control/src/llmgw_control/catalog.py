@@ -18,10 +18,15 @@ import msgspec
 from llmgw_proto.config import BaseConfig, ConfigError, Duration
 from llmgw_proto.sizes import parse_size
 
+from llmgw_control.lora_catalog import AdapterSpec, check_adapters, lora_launch
+
 __all__ = [
+    "AdapterConfig",
+    "AdapterSpec",
     "AutoscaleConfig",
     "Catalog",
     "GpuConstraint",
+    "LoraConfig",
     "ModelConfig",
     "ProfileConfig",
     "ProfileSpec",
@@ -66,6 +71,19 @@ class RolloutConfig(BaseConfig):
     max_unavailable: NonNegative = 0
 
 
+class LoraConfig(BaseConfig):
+    """``lora:``: the engine serves LoRA adapters, this many at once, up to this rank."""
+
+    max_loras: Positive = 4
+    max_rank: Positive = 16
+
+
+class AdapterConfig(BaseConfig):
+    # The name requests give as `model`; source: a path on the nodes or a hub id.
+    name: str
+    source: str
+
+
 class ProfileConfig(BaseConfig):
     engine: EngineName
     model_ref: str = ""
@@ -86,11 +104,15 @@ class ProfileConfig(BaseConfig):
     served_model_names: list[str] = []
     weight: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1
     load_timeout: Duration = Duration(600.0)
+    # LoRA adapters: the engine's limits (None: the engine serves none).
+    lora: LoraConfig | None = None
 
 
 class ModelConfig(BaseConfig):
     name: str
     profiles: dict[str, ProfileConfig] = {}
+    # LoRA adapters over this model, loaded where requests want them (issue 30).
+    adapters: list[AdapterConfig] = []
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,8 @@ class ProfileSpec:
     idle_after: float = 600.0
     max_surge: int = 1
     max_unavailable: int = 0
+    # LoRA adapters the engine holds at once (0: it serves none).
+    max_loras: int = 0
     # What replicas spread over: "node", "none" or a node label (placement.Demand).
     spread: str = "node"
 
@@ -164,10 +188,21 @@ class Catalog:
     """Every profile of every model, in config order."""
 
     profiles: tuple[ProfileSpec, ...] = ()
+    # Every model's LoRA adapters, in config order.
+    adapters: tuple[AdapterSpec, ...] = ()
     _by_key: dict[tuple[str, str], ProfileSpec] = field(default_factory=dict, compare=False)
+    _by_adapter: dict[str, AdapterSpec] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         self._by_key.update({p.key: p for p in self.profiles})
+        self._by_adapter.update({a.name: a for a in self.adapters})
+
+    def adapter(self, name: str) -> AdapterSpec | None:
+        """The LoRA adapter a client's model name means, if it names one."""
+        return self._by_adapter.get(name)
+
+    def adapters_of(self, model: str) -> list[AdapterSpec]:
+        return [a for a in self.adapters if a.model == model]
 
     def get(self, model: str, profile: str) -> ProfileSpec | None:
         return self._by_key.get((model, profile))
@@ -232,7 +267,24 @@ def build_catalog(models: list[ModelConfig], source: str) -> Catalog:
                         f"{where}.profiles.{name}.served_model_names",
                     )
             profiles.append(spec)
-    return Catalog(tuple(profiles))
+    # Adapters last: their names must differ from every model's served names.
+    adapters: list[AdapterSpec] = []
+    names = {
+        served: f"a served model name of model {owner!r}" for served, owner in served_by.items()
+    }
+    for i, model in enumerate(models):
+        listed = check_adapters(
+            model.name,
+            [(a.name, a.source) for a in model.adapters],
+            any(p.lora is not None for p in model.profiles.values()),
+            names,
+            source,
+            f"$.models[{i}]",
+        )
+        for a in listed:
+            names[a.name] = f"an adapter of model {model.name!r}"
+        adapters += listed
+    return Catalog(tuple(profiles), tuple(adapters))
 
 
 def _check_profile(
@@ -337,13 +389,20 @@ def _check_profile(
             "max_surge and max_unavailable cannot both be 0: a rollout could never start",
             f"{where}.rollout",
         )
+    engine_args, env = tuple(profile.engine_args), dict(profile.env)
+    if profile.lora is not None:
+        lora_args, lora_env = lora_launch(
+            profile.engine, profile.lora.max_loras, profile.lora.max_rank, source, where
+        )
+        engine_args += lora_args
+        env.update(lora_env)
     return ProfileSpec(
         model=model,
         name=name,
         engine=profile.engine,
         model_ref=profile.model_ref or model,
-        engine_args=tuple(profile.engine_args),
-        env=tuple(sorted(profile.env.items())),
+        engine_args=engine_args,
+        env=tuple(sorted(env.items())),
         gpus_per_node=profile.gpus_per_node,
         cpu_threads=profile.cpu_threads,
         nodes=profile.nodes,
@@ -363,5 +422,6 @@ def _check_profile(
         idle_after=float(profile.idle_after),
         max_surge=profile.rollout.max_surge,
         max_unavailable=profile.rollout.max_unavailable,
+        max_loras=profile.lora.max_loras if profile.lora is not None else 0,
         spread=spread,
     )

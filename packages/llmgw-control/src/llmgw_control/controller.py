@@ -27,6 +27,7 @@ from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, NodeState
 from llmgw_control.loads import Figures
+from llmgw_control.lora import LoraManager
 from llmgw_control.metrics import Metrics
 from llmgw_control.publish import (
     DeclaredInfo,
@@ -142,6 +143,8 @@ class Controller:
         # The state store (none until serve sets one): restores and writes what must
         # not be forgotten; see llmgw_control.store.keeper.
         self.keeper = StateKeeper()
+        # LoRA adapters: demand from routers, loads and unloads on the engines (issue 30).
+        self.lora = LoraManager(self.metrics.registry)
 
     # --- the lead and the state store -----------------------------------------------
 
@@ -274,7 +277,12 @@ class Controller:
             self.publisher.loads.cache_events(session.node_id, msg, time.monotonic())
 
     def on_demand(self, request: v1.DemandRequest) -> v1.DemandReply:
-        """A router holds requests for a model (ReportDemand)."""
+        """A router holds requests for a model (ReportDemand), or asks for an adapter."""
+        if self.catalog.adapter(request.model) is not None:
+            self.lora.on_demand(request.model, request.held, request.requests, time.monotonic())
+            if request.held:
+                self._changed()
+            return v1.DemandReply(accepted=True)
         model = self.catalog.model_of(request.model)
         if model is None:
             return v1.DemandReply(accepted=False, reason=f"no such model {request.model!r}")
@@ -289,7 +297,10 @@ class Controller:
         for name in self.catalog.models():
             profiles = self.catalog.of_model(name)
             served = tuple(dict.fromkeys(n for p in profiles for n in p.served_model_names))
-            out.append(DeclaredInfo(name, served, any(p.min_replicas == 0 for p in profiles)))
+            adapters = tuple(a.name for a in self.catalog.adapters_of(name))
+            out.append(
+                DeclaredInfo(name, served, any(p.min_replicas == 0 for p in profiles), adapters)
+            )
         return out
 
     def on_disconnect(self, session: Session) -> None:
@@ -300,6 +311,9 @@ class Controller:
     def on_command_result(
         self, node_id: str, command_id: str, ok: bool, error: str, *, answered: bool
     ) -> None:
+        if self.lora.on_result(command_id, ok, error):
+            self._changed()
+            return
         command = self._sent.pop(command_id, None)
         kind = type(command).__name__.lower() if command is not None else "unknown"
         self.metrics.commands.labels(kind, "ok" if ok else "error").inc()
@@ -367,6 +381,16 @@ class Controller:
         if wanted != self._wanted:
             self._wanted = wanted
             self._dirty = True
+        if self.agents.may_dispatch() and self.publisher.primed.is_set():
+            self.lora.step(
+                self.catalog,
+                self.publisher.endpoints,
+                self._adapters_held,
+                self.agents.send,
+                now,
+                expire=2 * float(c.command_timeout),
+                prefix=f"{self._prefix}-lora",
+            )
         # Same input, no deadline due: the pass would send nothing. On a large fleet
         # a pass costs enough to delay heartbeats, so it is not run for nothing.
         if not (force or self._dirty or now >= self._next_at or now >= self._resync_at):
@@ -535,6 +559,19 @@ class Controller:
         self.address_problems = problems
         return out
 
+    def _adapters_held(self, endpoint_id: str) -> tuple[frozenset[str], float] | None:
+        """The adapters an endpoint's engine holds and its load, from its load reports."""
+        f = self.publisher.loads.figures(endpoint_id)
+        if f is None:
+            return None
+        return frozenset(f.adapters), float(f.running + f.waiting)
+
+    def adapters(self) -> dict[str, Any]:
+        """LoRA adapters for status: holders, demand, loads and unloads."""
+        return self.lora.status(
+            self.catalog, self.publisher.endpoints, self._adapters_held, time.monotonic()
+        )
+
     def node_counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in NodeState}
         for node in self.inventory.nodes.values():
@@ -574,7 +611,10 @@ class Controller:
         )
 
     def status(self) -> dict[str, Any]:
-        return status_view.status(self.fleet())
+        out = status_view.status(self.fleet())
+        if self.catalog.adapters:
+            out["lora"] = self.adapters()
+        return out
 
     def summary(self) -> dict[str, Any]:
         return status_view.summary(self.fleet())

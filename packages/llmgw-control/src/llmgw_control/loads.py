@@ -49,6 +49,8 @@ class Figures:
     at: float
     # The engine's KV cache in tokens (0: it does not say).
     cache_tokens: int = 0
+    # The LoRA adapters the engine holds (issue 30).
+    adapters: tuple[str, ...] = ()
 
     def as_json(self, age: float) -> dict[str, Any]:
         return {
@@ -59,6 +61,7 @@ class Figures:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "cache_tokens": self.cache_tokens,
+            "adapters": list(self.adapters),
             "age": round(age, 3),
         }
 
@@ -118,6 +121,7 @@ class LoadBook:
                 e.generation,
                 now,
                 e.cache_tokens,
+                tuple(sorted(e.adapters)),
             )
             self._touch(e.shard_id)
 
@@ -258,6 +262,7 @@ class LoadBook:
             generation=generation,
             age=dt.timedelta(seconds=max(self.age(f, now), 0.0)),
             cache_tokens=f.cache_tokens,
+            adapters=list(f.adapters),
         )
 
     def _full_cache(self, endpoint_id: str) -> v1.EndpointCache:

@@ -155,12 +155,15 @@ class DeclaredInfo(NamedTuple):
     name: str
     served_model_names: tuple[str, ...]
     scale_to_zero: bool
+    # Its LoRA adapters' names (issue 30).
+    adapters: tuple[str, ...] = ()
 
     def message(self) -> v1.DeclaredModel:
         return v1.DeclaredModel(
             name=self.name,
             served_model_names=list(self.served_model_names),
             scale_to_zero=self.scale_to_zero,
+            adapters=list(self.adapters),
         )
 
 

@@ -1,0 +1,233 @@
+"""LoRA adapters on the running engines: demand in, load and unload commands out (issue 30).
+
+Routers report each adapter's demand (``ReportDemand`` with the adapter's name as the
+model: requests held for want of a holder, and requests received since the last
+report). Each pass, :func:`llmgw_control.lora_plan.plan` decides from that demand and
+what each ready replica's engine holds (its load reports) which replica loads or
+unloads what; the commands go to the replicas' agents, which call the engines' own
+runtime APIs and answer with a CommandResult. Loads and unloads are counted
+(``llmgw_control_adapter_commands_total``) and shown in status (``adapters``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from llmgw_proto import v1
+from prometheus_client import CollectorRegistry, Counter
+
+from llmgw_control.catalog import Catalog
+from llmgw_control.lora_plan import Action, Demand, ReplicaView, plan
+from llmgw_control.publish import EndpointInfo
+
+__all__ = ["LoraManager"]
+
+log = structlog.get_logger(__name__)
+
+# Demand counted over this window for an adapter's rate.
+RATE_WINDOW = 10.0
+# Held requests are forgotten when no router repeats them for this long.
+HELD_TTL = 5.0
+
+
+@dataclass
+class _AdapterDemand:
+    held: int = 0
+    held_at: float = 0.0
+    last_used: float = 0.0
+    # (when, requests) reported within RATE_WINDOW.
+    counts: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def view(self, now: float) -> Demand:
+        while self.counts and self.counts[0][0] < now - RATE_WINDOW:
+            self.counts.popleft()
+        held = self.held if now - self.held_at <= HELD_TTL else 0
+        rate = sum(n for _, n in self.counts) / RATE_WINDOW
+        return Demand(held=held, rate=rate, last_used=self.last_used)
+
+
+@dataclass
+class _Sent:
+    kind: str
+    endpoint_id: str
+    adapter: str
+    model: str
+    at: float
+
+
+# (node id, command id, message) for the agents.
+Send = Callable[[str, str, v1.ControlMessage], bool]
+
+
+class LoraManager:
+    def __init__(self, registry: CollectorRegistry, *, hot_rate: float = 8.0) -> None:
+        self.hot_rate = hot_rate
+        self.demand: dict[str, _AdapterDemand] = {}
+        self._sent: dict[str, _Sent] = {}
+        self._ids = itertools.count(1)
+        self.commands = Counter(
+            "llmgw_control_adapter_commands",
+            "LoRA adapter loads and unloads sent, by model, kind and result.",
+            ["model", "kind", "result"],
+            registry=registry,
+        )
+        self.counts: dict[tuple[str, str], int] = {}
+        self.errors: dict[str, str] = {}
+
+    # --- from routers ---------------------------------------------------------------
+
+    def on_demand(self, adapter: str, held: int, requests: int, now: float) -> None:
+        d = self.demand.setdefault(adapter, _AdapterDemand())
+        d.held, d.held_at = held, now
+        if requests:
+            d.counts.append((now, requests))
+        if held or requests:
+            d.last_used = now
+
+    # --- from agents ----------------------------------------------------------------
+
+    def on_result(self, command_id: str, ok: bool, error: str) -> bool:
+        """A CommandResult: True when it answered one of this manager's commands."""
+        sent = self._sent.pop(command_id, None)
+        if sent is None:
+            return False
+        result = "ok" if ok else "error"
+        self.commands.labels(sent.model, sent.kind, result).inc()
+        key = (sent.kind, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if ok:
+            self.errors.pop(sent.adapter, None)
+            log.info("adapter " + sent.kind + "ed", adapter=sent.adapter, endpoint=sent.endpoint_id)
+        else:
+            self.errors[sent.adapter] = f"{sent.kind} on {sent.endpoint_id}: {error}"
+            log.warning(
+                "adapter " + sent.kind + " failed",
+                adapter=sent.adapter,
+                endpoint=sent.endpoint_id,
+                error=error,
+            )
+        return True
+
+    # --- each pass --------------------------------------------------------------------
+
+    def step(
+        self,
+        catalog: Catalog,
+        endpoints: Sequence[EndpointInfo],
+        held_by: Callable[[str], tuple[frozenset[str], float] | None],
+        send: Send,
+        now: float,
+        expire: float = 60.0,
+        prefix: str = "lora",
+    ) -> list[Action]:
+        """Plan and send for every model with adapters; the actions sent."""
+        for cid, s in list(self._sent.items()):
+            if now - s.at > expire:  # never answered: the agent's deadline counted it
+                del self._sent[cid]
+        sent_all: list[Action] = []
+        for model in dict.fromkeys(a.model for a in catalog.adapters):
+            names = {a.name: a for a in catalog.adapters_of(model)}
+            views: list[ReplicaView] = []
+            info: dict[str, EndpointInfo] = {}
+            for ep in endpoints:
+                profile = catalog.get(ep.model, ep.profile)
+                if ep.model != model or profile is None or profile.max_loras <= 0:
+                    continue
+                found = held_by(ep.id)
+                held, load = found if found is not None else (frozenset(), 0.0)
+                loading = frozenset(
+                    s.adapter
+                    for s in self._sent.values()
+                    if s.endpoint_id == ep.id and s.kind == "load" and s.adapter not in held
+                )
+                unloading = {
+                    s.adapter
+                    for s in self._sent.values()
+                    if s.endpoint_id == ep.id and s.kind == "unload"
+                }
+                views.append(
+                    ReplicaView(
+                        ep.id,
+                        load,
+                        profile.max_loras,
+                        frozenset(held - unloading) & frozenset(names),
+                        loading,
+                    )
+                )
+                info[ep.id] = ep
+            demand = {a: d.view(now) for a, d in self.demand.items() if a in names}
+            for action in plan(views, demand, hot_rate=self.hot_rate):
+                ep = info[action.replica]
+                command_id = f"{prefix}-{next(self._ids)}"
+                if action.kind == "load":
+                    msg = v1.ControlMessage(
+                        load_adapter=v1.LoadAdapter(
+                            command_id=command_id,
+                            shard_id=ep.shard_id,
+                            name=action.adapter,
+                            source=names[action.adapter].source,
+                        )
+                    )
+                else:
+                    msg = v1.ControlMessage(
+                        unload_adapter=v1.UnloadAdapter(
+                            command_id=command_id, shard_id=ep.shard_id, name=action.adapter
+                        )
+                    )
+                if not send(ep.node_id, command_id, msg):
+                    break
+                self._sent[command_id] = _Sent(action.kind, ep.id, action.adapter, model, now)
+                log.info(
+                    "adapter command sent",
+                    kind=action.kind,
+                    adapter=action.adapter,
+                    endpoint=ep.id,
+                    command_id=command_id,
+                )
+                sent_all.append(action)
+        return sent_all
+
+    def status(
+        self,
+        catalog: Catalog,
+        endpoints: Sequence[EndpointInfo],
+        held_by: Callable[[str], tuple[frozenset[str], float] | None],
+        now: float,
+    ) -> dict[str, Any]:
+        """What status shows: each adapter's holders and demand, and the counts."""
+        adapters: dict[str, Any] = {}
+        for a in catalog.adapters:
+            holders = [
+                ep.id
+                for ep in endpoints
+                if ep.model == a.model and a.name in (held_by(ep.id) or (frozenset(), 0.0))[0]
+            ]
+            d = self.demand.get(a.name)
+            view = d.view(now) if d is not None else Demand()
+            adapters[a.name] = {
+                "model": a.model,
+                "source": a.source,
+                "holders": holders,
+                "held_requests": view.held,
+                "rate": round(view.rate, 3),
+                "loading": sorted(
+                    s.endpoint_id
+                    for s in self._sent.values()
+                    if s.adapter == a.name and s.kind == "load"
+                ),
+                "last_error": self.errors.get(a.name, ""),
+            }
+        return {
+            "adapters": adapters,
+            "loads": self.counts.get(("load", "ok"), 0),
+            "load_failures": self.counts.get(("load", "error"), 0),
+            "unloads": self.counts.get(("unload", "ok"), 0),
+            "unload_failures": self.counts.get(("unload", "error"), 0),
+            "at": dt.datetime.now(dt.UTC).isoformat(),
+        }

@@ -1,0 +1,139 @@
+"""Which replica loads or unloads which LoRA adapter: the pure decision (issue 30).
+
+Input: each replica of a base model (its load, how many adapters its engine holds at
+once, which it holds and which it is loading now) and each adapter's demand (requests
+held at routers for want of a holder, its recent request rate, when it was last used).
+Output: load and unload actions, in the order to send them.
+
+- An adapter with requests held and no holder (nor a load under way) is loaded at once
+  on the least loaded replica; a full replica first unloads its least recently used
+  adapter (never one being loaded, never one with requests held).
+- A hot adapter (more than ``hot_rate`` requests a second per holder) gains a holder,
+  one per pass, on the least loaded replica that does not hold it, evicting there only
+  an adapter used less recently than it.
+- Nothing else moves: an idle adapter stays loaded until its slot is wanted (LRU).
+
+The result never puts more adapters on a replica than it holds at once, never loads an
+adapter on a replica that holds it, and never unloads one that is being loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["Action", "Demand", "ReplicaView", "plan"]
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica of the base model, as the control plane sees it now."""
+
+    id: str
+    # Requests running and waiting at its engine (its last load report).
+    load: float
+    # Adapters its engine holds at once (the profile's lora.max_loras).
+    capacity: int
+    held: frozenset[str] = frozenset()
+    # Loads sent and not yet seen in a load report: they take a slot already.
+    loading: frozenset[str] = frozenset()
+
+    @property
+    def taken(self) -> frozenset[str]:
+        return self.held | self.loading
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What routers said of one adapter."""
+
+    # Requests held at routers now (no holder to send them to).
+    held: int = 0
+    # Requests a second, recently.
+    rate: float = 0.0
+    # When it was last asked for (monotonic seconds; 0: never).
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["load", "unload"]
+    replica: str
+    adapter: str
+
+
+@dataclass
+class _Replica:
+    view: ReplicaView
+    taken: set[str] = field(default_factory=set)
+    load: float = 0.0
+
+
+def plan(
+    replicas: Iterable[ReplicaView],
+    demand: Mapping[str, Demand],
+    *,
+    hot_rate: float = 8.0,
+) -> list[Action]:
+    """The loads and unloads to send now (see the module's rules)."""
+    reps = [_Replica(r, set(r.taken), r.load) for r in replicas if r.capacity > 0]
+    if not reps:
+        return []
+    actions: list[Action] = []
+
+    def last_used(adapter: str) -> float:
+        d = demand.get(adapter)
+        return d.last_used if d is not None else 0.0
+
+    def victim(rep: _Replica, newer_than: float | None) -> str | None:
+        """The adapter ``rep`` may unload for another: least recently used first."""
+        movable = [
+            a for a in rep.taken if a not in rep.view.loading and demand.get(a, Demand()).held == 0
+        ]
+        if not movable:
+            return None
+        oldest = min(movable, key=lambda a: (last_used(a), a))
+        if newer_than is not None and last_used(oldest) >= newer_than:
+            return None
+        return oldest
+
+    def place(adapter: str, among: list[_Replica], newer_than: float | None) -> bool:
+        for rep in sorted(among, key=lambda r: (r.load, len(r.taken), r.view.id)):
+            if len(rep.taken) >= rep.view.capacity:
+                out = victim(rep, newer_than)
+                if out is None:
+                    continue
+                rep.taken.discard(out)
+                actions.append(Action("unload", rep.view.id, out))
+            rep.taken.add(adapter)
+            # What it adds to the replica's load, so the next placement spreads.
+            rep.load += 1.0
+            actions.append(Action("load", rep.view.id, adapter))
+            return True
+        return False
+
+    def holders(adapter: str) -> list[_Replica]:
+        return [r for r in reps if adapter in r.taken]
+
+    # 1. Requests held and no holder: load at once, most held first.
+    waiting = sorted(
+        (a for a, d in demand.items() if d.held > 0 and not holders(a)),
+        key=lambda a: (-demand[a].held, a),
+    )
+    for adapter in waiting:
+        place(adapter, reps, None)
+    # 2. Hot adapters gain a holder each (one per pass), hottest per holder first.
+    hot = sorted(
+        (
+            (d.rate / len(h), a)
+            for a, d in demand.items()
+            if (h := holders(a)) and d.rate / len(h) > hot_rate
+        ),
+        reverse=True,
+    )
+    for _, adapter in hot:
+        others = [r for r in reps if adapter not in r.taken]
+        if others:
+            place(adapter, others, last_used(adapter))
+    return actions

@@ -1,0 +1,229 @@
+"""LoRA adapters in the control plane (issue 30): the catalog's checks and flags, and the
+pure decision of which replica loads or unloads which adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_control.config import load_control_config
+from llmgw_control.lora_plan import Action, Demand, ReplicaView, plan
+from llmgw_proto.config import ConfigError
+
+
+def write(tmp_path: Path, models: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "control.yaml"
+    path.write_text(yaml.safe_dump({"models": models}))
+    return path
+
+
+def base(engine: str = "vllm", **lora: Any) -> dict[str, Any]:
+    return {
+        "name": "gemma",
+        "profiles": {"default": {"engine": engine, "lora": lora or {"max_loras": 2}}},
+        "adapters": [{"name": "sql", "source": "/models/sql"}, {"name": "chat", "source": "hub/c"}],
+    }
+
+
+# --- catalog -------------------------------------------------------------------------
+
+
+def test_adapters_and_engine_flags(tmp_path: Path) -> None:
+    catalog = load_control_config(write(tmp_path, [base(max_loras=3, max_rank=32)])).catalog
+    assert [(a.model, a.name, a.source) for a in catalog.adapters] == [
+        ("gemma", "sql", "/models/sql"),
+        ("gemma", "chat", "hub/c"),
+    ]
+    assert catalog.adapter("sql") is not None
+    assert catalog.adapter("gemma") is None
+    p = catalog.profiles[0]
+    assert p.max_loras == 3
+    assert p.engine_args[-5:] == ("--enable-lora", "--max-loras", "3", "--max-lora-rank", "32")
+    assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True") in p.env
+    sg = load_control_config(write(tmp_path, [base("sglang", max_loras=2)])).catalog.profiles[0]
+    assert sg.engine_args[:5] == (
+        "--enable-lora",
+        "--max-loras-per-batch",
+        "2",
+        "--max-lora-rank",
+        "16",
+    )
+
+
+def test_adapter_changes_do_not_roll_replicas(tmp_path: Path) -> None:
+    one = load_control_config(write(tmp_path, [base()])).catalog
+    model = base()
+    model["adapters"] = model["adapters"][:1]
+    two = load_control_config(write(tmp_path, [model])).catalog
+    assert one.profiles[0].revision == two.profiles[0].revision
+    assert [a.name for a in two.adapters] == ["sql"]
+
+
+def _flags_accepted(kind: str, args: tuple[str, ...]) -> list[str]:
+    from llmgw_agent.engine_flags import captured
+
+    return list(captured(kind).parse(args).errors)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_lora_flags_pass_the_engine_help(tmp_path: Path, engine: str) -> None:
+    """The flags the catalog adds are what the engine's captured help accepts."""
+    p = load_control_config(write(tmp_path, [base(engine, max_loras=4, max_rank=64)])).catalog
+    assert _flags_accepted(engine, p.profiles[0].engine_args) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (
+            lambda m: m["adapters"].append({"name": "sql", "source": "x"}),
+            "adapters[2].name",
+            "already listed",
+        ),
+        (
+            lambda m: m["adapters"].append({"name": "gemma", "source": "x"}),
+            "adapters[2].name",
+            "already taken",
+        ),
+        (
+            lambda m: m["adapters"].append({"name": "bad name", "source": "x"}),
+            "adapters[2].name",
+            "no spaces",
+        ),
+        (
+            lambda m: m["adapters"].append({"name": "n", "source": " "}),
+            "adapters[2].source",
+            "needs a source",
+        ),
+        (lambda m: m["profiles"]["default"].pop("lora"), "$.models[0].adapters", "sets lora"),
+        (lambda m: m["profiles"]["default"]["lora"].update(max_rank=12), "lora.max_rank", "one of"),
+        (
+            lambda m: m["profiles"]["default"].update(engine="llamacpp"),
+            "default.lora",
+            "llama-server",
+        ),
+        (lambda m: m["profiles"]["default"]["lora"].update(max_loras=0), "max_loras", ""),
+    ],
+)
+def test_adapter_errors_name_the_field(tmp_path: Path, change: Any, field: str, words: str) -> None:
+    model = base()
+    change(model)
+    with pytest.raises(ConfigError) as info:
+        load_control_config(write(tmp_path, [model]))
+    text = str(info.value)
+    assert field in text, text
+    assert words in text, text
+
+
+def test_adapter_name_clashing_with_another_models_served_name(tmp_path: Path) -> None:
+    other = {"name": "sql", "profiles": {"default": {"engine": "vllm"}}}
+    with pytest.raises(ConfigError) as info:
+        load_control_config(write(tmp_path, [base(), other]))
+    assert "$.models[0].adapters[0].name" in str(info.value)
+    assert "served model name of model 'sql'" in str(info.value)
+
+
+# --- the decision --------------------------------------------------------------------
+
+
+def test_held_adapter_loads_on_the_least_loaded_replica() -> None:
+    reps = [ReplicaView("a", 5, 2), ReplicaView("b", 1, 2), ReplicaView("c", 3, 2)]
+    assert plan(reps, {"x": Demand(held=2, last_used=1)}) == [Action("load", "b", "x")]
+
+
+def test_full_replica_unloads_its_least_recently_used() -> None:
+    reps = [ReplicaView("a", 0, 2, frozenset({"old", "new"}))]
+    demand = {
+        "old": Demand(last_used=1),
+        "new": Demand(last_used=9),
+        "x": Demand(held=1, last_used=10),
+    }
+    assert plan(reps, demand) == [Action("unload", "a", "old"), Action("load", "a", "x")]
+
+
+def test_held_adapter_already_held_or_loading_is_left_alone() -> None:
+    reps = [
+        ReplicaView("a", 0, 2, frozenset({"x"})),
+        ReplicaView("b", 0, 2, loading=frozenset({"y"})),
+    ]
+    assert plan(reps, {"x": Demand(held=3), "y": Demand(held=1)}) == []
+
+
+def test_hot_adapter_gains_a_holder_not_a_cold_one() -> None:
+    reps = [ReplicaView("a", 9, 2, frozenset({"hot"})), ReplicaView("b", 0, 2)]
+    assert plan(reps, {"hot": Demand(rate=20, last_used=5)}, hot_rate=8) == [
+        Action("load", "b", "hot")
+    ]
+    assert plan(reps, {"hot": Demand(rate=4, last_used=5)}, hot_rate=8) == []
+
+
+def test_nothing_to_evict_when_every_slot_is_loading_or_wanted() -> None:
+    reps = [ReplicaView("a", 0, 1, frozenset({"w"}))]
+    assert plan(reps, {"w": Demand(held=1), "x": Demand(held=1)}) == []
+
+
+names = st.sampled_from([f"l{i}" for i in range(8)])
+replica = st.builds(
+    lambda i, load, cap, held, loading: ReplicaView(
+        f"r{i}",
+        load,
+        cap,
+        frozenset(list(held)[:cap]),
+        frozenset(list(loading - held)[: max(0, cap - min(cap, len(held)))]),
+    ),
+    st.integers(0, 5),
+    st.floats(0, 50),
+    st.integers(0, 4),
+    st.frozensets(names, max_size=5),
+    st.frozensets(names, max_size=3),
+)
+demand = st.dictionaries(
+    names,
+    st.builds(Demand, st.integers(0, 5), st.floats(0, 40), st.floats(0, 100)),
+    max_size=8,
+)
+
+
+def _unique(reps: list[ReplicaView]) -> list[ReplicaView]:
+    return list({r.id: r for r in reps}.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(replica, max_size=5).map(_unique), demand, st.floats(0.5, 20))
+def test_plan_properties(reps: list[ReplicaView], wants: dict[str, Demand], hot: float) -> None:
+    actions = plan(reps, wants, hot_rate=hot)
+    taken = {r.id: set(r.taken) for r in reps}
+    by_id = {r.id: r for r in reps}
+    for a in actions:
+        r = by_id[a.replica]
+        if a.kind == "load":
+            # Never a load where the adapter is held or on its way.
+            assert a.adapter not in taken[a.replica]
+            taken[a.replica].add(a.adapter)
+        else:
+            # Never an unload of one being loaded, nor of one with requests held.
+            assert a.adapter in taken[a.replica]
+            assert a.adapter not in r.loading
+            assert wants.get(a.adapter, Demand()).held == 0
+            taken[a.replica].discard(a.adapter)
+    for rid, held in taken.items():
+        # Never more than the engine holds at once (unless it already did).
+        assert len(held) <= max(by_id[rid].capacity, len(by_id[rid].taken))
+    # Every adapter with requests held and no holder gets one, while any replica has a
+    # free slot or one it may free.
+    free = any(
+        len(r.taken) < r.capacity
+        or any(a not in r.loading and wants.get(a, Demand()).held == 0 for a in r.taken)
+        for r in reps
+        if r.capacity > 0
+    )
+    waiting = [a for a, d in wants.items() if d.held and not any(a in r.taken for r in reps)]
+    if waiting and free:
+        assert any(a.kind == "load" and a.adapter in waiting for a in actions)
+    # Each adapter is loaded at most once per replica.
+    loads = [(a.replica, a.adapter) for a in actions if a.kind == "load"]
+    assert len(loads) == len(set(loads))
