@@ -13,6 +13,7 @@ from llmgw_sim.model import (
     Timing,
     echo_tokens,
     generate_tokens,
+    greedy_tokens,
     output_length,
     tokenize,
 )
@@ -158,3 +159,28 @@ def test_output_length(
         )
         == expected
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    context=st.text(max_size=200),
+    count=st.integers(0, 60),
+    cut=st.integers(0, 60),
+    seed=st.integers(-(1 << 40), 1 << 40),
+)
+def test_greedy_text_continues_from_any_prefix_of_itself(
+    context: str, count: int, cut: int, seed: int
+) -> None:
+    """As a greedy model's: the prompt followed by the first k tokens gives the rest."""
+    out = greedy_tokens(context, count, seed)
+    assert len(out) == count
+    assert greedy_tokens(context, count, seed) == out
+    k = min(cut, count)
+    assert greedy_tokens(context + "".join(out[:k]), count - k, seed) == out[k:]
+
+
+def test_greedy_text_depends_on_the_prompt_and_the_seed() -> None:
+    assert greedy_tokens("Hello there", 12) != greedy_tokens("Hello where", 12)
+    assert greedy_tokens("Hello there", 12, 1) != greedy_tokens("Hello there", 12, 2)
+    # Words, each with its leading space, not one repeated token.
+    assert len(set(greedy_tokens("x", 50))) > 10

@@ -14,7 +14,7 @@ import msgspec
 from llmgw_sim.driver import Waiter
 from llmgw_sim.handlers import Handlers
 from llmgw_sim.httpserver import Request, Response, Stream
-from llmgw_sim.model import echo_tokens, generate_tokens, output_length, tokenize
+from llmgw_sim.model import echo_tokens, greedy_tokens, output_length, tokenize
 from llmgw_sim.protocol import Generation, parse_chat, parse_completion
 from llmgw_sim.scheduler import Seq, block_hashes
 
@@ -36,7 +36,7 @@ class GenerationRoutes(Handlers):
         return await self._generate(request, self._parse_completion)
 
     def _parse_chat(self, body: dict[str, Any]) -> Generation:
-        gen = parse_chat(body)
+        gen = parse_chat(body, prefill_assistant=self.engine.kind == "llama-server")
         tokenizer = self.engine.tokenizer
         if tokenizer is not None:
             ids = tokenizer.chat(body.get("messages"))
@@ -88,7 +88,10 @@ class GenerationRoutes(Handlers):
         if knobs.mode == "echo":
             out_tokens = echo_tokens([str(t) for t in prompt], count)
         else:
-            out_tokens = generate_tokens(count, knobs.seed + prompt_len)
+            # Greedy: the text is a function of the prompt (and seeds), token by token, so
+            # a prompt that ends with the first k tokens of an answer continues it exactly.
+            context = gen.prompt_text or " ".join(map(str, gen.prompt_ids or ()))
+            out_tokens = greedy_tokens(context, count, knobs.seed ^ (gen.seed or 0))
 
         if eng.driver is not None:
             return await self._generate_stepped(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -184,6 +185,26 @@ def _cycle() -> list[str]:
 
 
 _CYCLE = _cycle()
+
+
+def greedy_tokens(context: str, count: int, seed: int = 0) -> list[str]:
+    """``count`` word tokens that continue ``context`` as a greedy model would.
+
+    Each token is a function of the whole text before it (the context and the tokens
+    so far, as characters: a CRC-32 carried along, so it does not matter how the text
+    is split into tokens) and of the seed. So continuing from ``context`` followed by
+    the first k tokens gives exactly the rest: ``greedy_tokens(c + "".join(out[:k]),
+    n - k) == out[k:]`` where ``out = greedy_tokens(c, n)``.
+    """
+    n = len(_CYCLE)
+    state = zlib.crc32(context.encode("utf-8", "surrogatepass"), seed & 0xFFFFFFFF)
+    out: list[str] = []
+    for _ in range(count):
+        # The CRC's high bits mix better than its low ones for a small modulus.
+        token = _CYCLE[((state * 0x9E3779B1) >> 16) % n]
+        out.append(token)
+        state = zlib.crc32(token.encode(), state)
+    return out
 
 
 def generate_tokens(count: int, seed: int) -> list[str]:

@@ -27,6 +27,8 @@ class Generation:
     include_usage: bool
     continuous_usage: bool
     ignore_eos: bool = False
+    # The request's `seed` (sampling is greedy here; the seed still picks the text).
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,20 +129,48 @@ def _content_text(content: object, where: str) -> str:
     raise BadRequest(f"{where}.content must be a string or a list of content parts")
 
 
-def parse_chat(body: dict[str, Any]) -> Generation:
+def parse_chat(body: dict[str, Any], *, prefill_assistant: bool = False) -> Generation:
+    """A chat request, rendered by the simulator's own template (``<|role|>\\ncontent\\n``
+    per message, then ``<|assistant|>\\n`` to start the answer).
+
+    ``continue_final_message: true`` (vLLM, SGLang) leaves the final message open: its
+    text ends the prompt, with no end of turn and no new assistant turn, so the answer
+    continues it; vLLM refuses it together with ``add_generation_prompt: true``, and a
+    final message without content. ``prefill_assistant`` (llama-server, whose default
+    this is) continues a final assistant message the same way, unasked.
+    """
     model = _opt_str(body, "model")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
+    continue_final = _opt_bool(body, "continue_final_message")
+    add_generation = _opt_bool(body, "add_generation_prompt", True)
+    if continue_final and body.get("add_generation_prompt") is True:
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
     pieces: list[str] = []
+    last = len(messages) - 1
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise BadRequest(f"messages[{i}] must be an object")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise BadRequest(f"messages[{i}].role must be a non-empty string")
-        pieces.append(f"<|{role}|>\n{_content_text(msg.get('content'), f'messages[{i}]')}\n")
-    pieces.append("<|assistant|>\n")
+        text = _content_text(msg.get("content"), f"messages[{i}]")
+        if i == last and prefill_assistant and role == "assistant" and not continue_final:
+            # llama-server: a final assistant message is the start of the answer.
+            continue_final, add_generation = True, False
+        if i == last and continue_final:
+            if msg.get("content") is None:
+                raise BadRequest(
+                    f'messages[{i}]: continue_final_message is set but the final message has no "content" to continue!'
+                )
+            pieces.append(f"<|{role}|>\n{text}")
+        else:
+            pieces.append(f"<|{role}|>\n{text}\n")
+    if add_generation and not continue_final:
+        pieces.append("<|assistant|>\n")
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
@@ -155,6 +185,7 @@ def parse_chat(body: dict[str, Any]) -> Generation:
         include_usage,
         continuous,
         _opt_bool(body, "ignore_eos"),
+        _opt_int(body, "seed", -(1 << 63)),
     )
 
 
@@ -192,6 +223,7 @@ def parse_completion(body: dict[str, Any]) -> Generation:
         include_usage,
         continuous,
         _opt_bool(body, "ignore_eos"),
+        _opt_int(body, "seed", -(1 << 63)),
     )
 
 
