@@ -217,6 +217,15 @@ def from_args(
             ("page_size", ns.page_size),
         ):
             _positive(name, value)
+        lora_paths = parse_lora_modules(ns.lora_paths or [])
+        lora = bool(ns.enable_lora or lora_paths)
+        if lora and not lora_paths and (ns.max_lora_rank is None or not ns.lora_target_modules):
+            # SGLang's own check (server_args): it sizes its LoRA pool from these.
+            raise StartupError(
+                "ValueError",
+                "When no initial --lora-paths is provided, you need to specify both "
+                "--max-lora-rank and --lora-target-modules for LoRA initialization.",
+            )
         if ns.mem_fraction_static is not None and not 0 < ns.mem_fraction_static < 1:
             raise StartupError(
                 "ValueError", f"mem_fraction_static must be in (0, 1), got {ns.mem_fraction_static}"
@@ -249,6 +258,11 @@ def from_args(
             base_gpu_id=ns.base_gpu_id,
             memory_fraction=ns.mem_fraction_static,
             seed=ns.random_seed or 0,
+            lora_modules=lora_paths,
+            lora_enabled=lora,
+            max_loras=ns.max_loras_per_batch,
+            # SGLang serves /load_lora_adapter whenever LoRA is on.
+            runtime_lora_updating=lora,
             non_default_args=non_default,
             knobs=knobs,
         )

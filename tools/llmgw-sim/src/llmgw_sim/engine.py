@@ -86,6 +86,7 @@ class Engine:
                     num_blocks=capacity_blocks,
                     block_size=config.block_size,
                     prefix_caching=config.prefix_caching,
+                    max_loras=config.max_loras if config.lora_enabled else 0,
                 )
             )
             costs = StepCosts(knobs.prefill_rate, knobs.step_time, knobs.decode_seq_time)

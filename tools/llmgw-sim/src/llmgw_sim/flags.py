@@ -178,6 +178,7 @@ TYPED: dict[EngineKind, tuple[Typed, ...]] = {
         _t("--lora-modules", _all),
         _t("--enable-lora", _flag, False),
         _t("--max-loras", INT, 1),
+        _t("--max-lora-rank", INT, 16),
     ),
     "sglang": (
         _t("--model-path", STR),
@@ -202,6 +203,11 @@ TYPED: dict[EngineKind, tuple[Typed, ...]] = {
         _t("--node-rank", INT, 0),
         _t("--random-seed", INT),
         _t("--kv-events-config", STR),
+        _t("--enable-lora", _flag, False),
+        _t("--lora-paths", _all),
+        _t("--max-loras-per-batch", INT, 8),
+        _t("--max-lora-rank", INT),
+        _t("--lora-target-modules", _all),
     ),
     "llama-server": (
         _t("--model", STR),

@@ -228,7 +228,15 @@ class GenerationRoutes(Handlers):
         )
         ids = gen.prompt_ids if eng.tokenizer is not None else None
         waiter = driver.submit(
-            Seq(rid, prompt_len, count, hashes, token_ids=ids), stream=gen.stream
+            Seq(
+                rid,
+                prompt_len,
+                count,
+                hashes,
+                token_ids=ids,
+                lora=gen.model if gen.model in eng.loras else None,
+            ),
+            stream=gen.stream,
         )
         try:
             while waiter.first_at is None and not waiter.done:

@@ -60,6 +60,7 @@ class Knobs:
     log_requests: bool = False
     name: str | None = None
     script_routes: bool = False
+    lora_load_time: float = 0.0
 
 
 # Knobs that are switches take no value on the command line.
@@ -109,6 +110,7 @@ _HELP: dict[str, str] = {
     "/version reports (default: the newest captured)",
     "log_requests": "log one line per finished request",
     "name": "this engine's name, sent in an X-Sim-Name header on every answer",
+    "lora_load_time": "seconds a runtime LoRA adapter load takes (load_lora_adapter)",
     "script_routes": "serve /sim/script (scripted failures, health) and /sim/stats (request "
     "counts) for tests",
 }

@@ -3,6 +3,7 @@ endpoints, SGLang's model and server info, llama-server's /props."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -13,6 +14,13 @@ from llmgw_sim.model import tokenize
 from llmgw_sim.protocol import BadRequest, decode_body, parse_tokenize
 
 _enc = msgspec.json.encode
+
+
+async def _loading(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
 _JSON = "application/json"
 
 
@@ -35,6 +43,8 @@ class VllmRoutes(Handlers):
             return eng.error(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in eng.loras:
             return eng.error(400, f"The lora adapter '{name}' has already been loaded.")
+        # Reading the adapter's weights takes time (--sim-lora-load-time).
+        await _loading(eng.config.knobs.lora_load_time)
         eng.loras[name] = path
         return Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -89,7 +99,41 @@ class VllmRoutes(Handlers):
 
 
 class SglangRoutes(Handlers):
-    """/get_model_info and /get_server_info."""
+    """/get_model_info, /get_server_info, /load_lora_adapter, /unload_lora_adapter."""
+
+    def _lora_answer(self, error: str = "") -> Response:
+        # SGLang answers LoadLoRAAdapterReqOutput: success, error_message, loaded_adapters.
+        body = {
+            "success": not error,
+            "error_message": error,
+            "loaded_adapters": dict(self.engine.loras),
+        }
+        return Response(status=400 if error else 200, body=_enc(body), content_type=_JSON)
+
+    async def load_lora(self, request: Request) -> Response:
+        eng = self.engine
+        body = self._body(request, inference=False)
+        if isinstance(body, Response):
+            return body
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return self._lora_answer("lora_name and lora_path are required")
+        if name in eng.loras:
+            return self._lora_answer(f"LoRA adapter {name} is already loaded.")
+        await _loading(eng.config.knobs.lora_load_time)
+        eng.loras[name] = path
+        return self._lora_answer()
+
+    async def unload_lora(self, request: Request) -> Response:
+        eng = self.engine
+        body = self._body(request, inference=False)
+        if isinstance(body, Response):
+            return body
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in eng.loras:
+            return self._lora_answer(f"LoRA adapter {name} is not loaded.")
+        del eng.loras[name]
+        return self._lora_answer()
 
     async def model_info(self, request: Request) -> Response:
         cfg = self.engine.config

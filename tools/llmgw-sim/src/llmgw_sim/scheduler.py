@@ -210,6 +210,8 @@ class Seq:
     # The prompt's token ids when they are a real tokenizer's (--tokenizer): the KV
     # events carry each stored block's, as vLLM's do.
     token_ids: Sequence[int] | None = None
+    # The LoRA adapter it runs with (None: the base model).
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         self.target = self.prompt_len
@@ -255,6 +257,9 @@ class SchedulerConfig:
     num_blocks: int
     block_size: int
     prefix_caching: bool = True
+    # Distinct LoRA adapters in one batch at most (vLLM --max-loras, SGLang
+    # --max-loras-per-batch); 0: no LoRA limit.
+    max_loras: int = 0
 
 
 class Scheduler:
@@ -373,9 +378,17 @@ class Scheduler:
             else:
                 decodes += 1
             i += 1
-        # 2. Waiting sequences, first come first served, while slots and budget last.
+        # 2. Waiting sequences, first come first served, while slots and budget last; one
+        # whose adapter would exceed the batch's LoRA slots waits, and the next may go (as
+        # vLLM's scheduler skips it).
+        limit = self.config.max_loras
+        active = {s.lora for s in self.running if s.lora is not None}
+        skipped: list[Seq] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if limit and seq.lora is not None and seq.lora not in active and len(active) >= limit:
+                skipped.append(self.waiting.popleft())
+                continue
             if not self.fits(seq.target, 1):
                 break  # never fits; the server refuses such requests before they get here
             self._admit_prefix(seq)
@@ -393,9 +406,12 @@ class Scheduler:
                 self.prefix_hits += seq.computed
             seq.admitted = True
             self.running.append(seq)
+            if seq.lora is not None:
+                active.add(seq.lora)
             items.append(Planned(seq, want))
             budget -= want
             prefill += want
+        self.waiting.extendleft(reversed(skipped))
         return StepPlan(tuple(items), prefill, decodes, tuple(preempted))
 
     # ----- applying ----------------------------------------------------------

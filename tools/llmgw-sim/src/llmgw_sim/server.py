@@ -52,6 +52,9 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
         if engine.kind == "vllm" and engine.config.runtime_lora_updating:
             post["/v1/load_lora_adapter"] = vllm.load_lora
             post["/v1/unload_lora_adapter"] = vllm.unload_lora
+        if engine.kind == "sglang" and engine.config.runtime_lora_updating:
+            post["/load_lora_adapter"] = sglang.load_lora
+            post["/unload_lora_adapter"] = sglang.unload_lora
         if engine.kind == "vllm":
             post["/tokenize"] = vllm.tokenize
             post["/detokenize"] = vllm.detokenize
