@@ -46,6 +46,8 @@ SYSTEM_PACKAGES = {
     "/usr/lib/postgresql": "postgresql",
     "chromium": "chromium",
     "systemd-analyze": "systemd",
+    # promtool: deploy/prometheus's alert rules checked and unit-tested, /metrics linted.
+    "promtool": "prometheus",
 }
 
 

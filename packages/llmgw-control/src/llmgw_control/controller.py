@@ -28,7 +28,7 @@ from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.inventory import Inventory, NodeState
 from llmgw_control.loads import Figures
 from llmgw_control.lora import LoraManager
-from llmgw_control.metrics import Metrics
+from llmgw_control.metrics import Metrics, failures_by_profile
 from llmgw_control.publish import (
     DeclaredInfo,
     EndpointInfo,
@@ -140,6 +140,11 @@ class Controller:
         self.address_problems: dict[str, str] = {}
         self.metrics.count_fleet(self.node_counts, self.replica_counts)
         self.metrics.count_lifecycle(lambda: self.autoscaler.reasons, lambda: self.rollouts)
+        self.metrics.count_failures(
+            lambda: failures_by_profile(
+                (p.key for p in self.catalog.profiles), self.state.replicas.values()
+            )
+        )
         # The state store (none until serve sets one): restores and writes what must
         # not be forgotten; see llmgw_control.store.keeper.
         self.keeper = StateKeeper()

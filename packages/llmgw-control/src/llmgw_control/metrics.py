@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -66,6 +66,50 @@ class _LifecycleCollector(Collector):
         yield rollouts
 
 
+# (model, profile) -> the most consecutive failures of any of its replicas.
+Failures = Callable[[], Mapping[tuple[str, str], int]]
+
+
+class _FailureCollector(Collector):
+    """Engine restarts: consecutive failures per profile, every profile present (0)."""
+
+    def __init__(self, failures: Failures) -> None:
+        self.failures = failures
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "llmgw_control_replica_failures",
+            "Consecutive engine failures of a profile's replicas (the most of any one; "
+            "0 again once it is ready): each failure restarts the engine with backoff.",
+            labels=["model", "profile"],
+        )
+        for (model, profile), count in sorted(self.failures().items()):
+            family.add_metric([model, profile], float(count))
+        yield family
+
+
+def failures_by_profile(
+    profiles: Iterable[tuple[str, str]], replicas: Iterable[Any]
+) -> dict[tuple[str, str], int]:
+    """The most consecutive failures of any replica per profile; 0 for every profile."""
+    out = dict.fromkeys(profiles, 0)
+    for r in replicas:
+        key = (r.model, r.profile)
+        out[key] = max(out.get(key, 0), r.failures)
+    return out
+
+
+# Refusals with a fixed reason, counted from 0 before the first one (a dashboard panel
+# or an alert on them reads 0, not "No data"); TLS refusals carry the handshake's words.
+KNOWN_REFUSALS = (
+    ("agent", "identity"),
+    ("agent", "shard status too large"),
+    ("agent", "shard not asked for"),
+    ("watch", "identity"),
+    ("watch", "not a router"),
+)
+
+
 # Heartbeat lag is dominated by event-loop delay: resolve the low milliseconds finely.
 _LAG_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
@@ -77,13 +121,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.nodes = Gauge("llmgw_control_nodes", "Nodes by state.", ["state"], registry=r)
-        self.replicas = Gauge(
-            "llmgw_control_replicas",
-            "Replicas by state.",
-            ["model", "profile", "state"],
-            registry=r,
-        )
+        # llmgw_control_nodes and llmgw_control_replicas come from _FleetCollector alone
+        # (count_fleet): a Gauge of the same name as well wrote HELP/TYPE twice.
         self.streams = Gauge("llmgw_control_agent_streams", "Open agent streams.", registry=r)
         self.watchers = Gauge("llmgw_control_watchers", "Open endpoint watch streams.", registry=r)
         self.heartbeats = Counter("llmgw_control_heartbeats", "Heartbeats handled.", registry=r)
@@ -109,6 +148,8 @@ class Metrics:
             ["stream", "reason"],
             registry=r,
         )
+        for stream, reason in KNOWN_REFUSALS:
+            self.refusals.labels(stream, reason)
         self.commands = Counter(
             "llmgw_control_commands",
             "Commands sent to agents, by kind and result.",
@@ -128,6 +169,9 @@ class Metrics:
 
     def count_fleet(self, nodes: NodeCounts, replicas: ReplicaCounts) -> None:
         self.registry.register(_FleetCollector(nodes, replicas))
+
+    def count_failures(self, failures: Failures) -> None:
+        self.registry.register(_FailureCollector(failures))
 
     def count_lifecycle(self, scaling: Scaling, rollouts: Scaling) -> None:
         self.registry.register(_LifecycleCollector(scaling, rollouts))
