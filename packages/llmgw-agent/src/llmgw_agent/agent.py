@@ -15,6 +15,7 @@ from llmgw_agent.config import AgentConfig
 from llmgw_agent.inventory import GpuSource, Nvml, collect_inventory, open_gpus
 from llmgw_agent.kv_events import KvEventsRelay
 from llmgw_agent.load import LoadReporter
+from llmgw_agent.lora import AdapterCommands
 from llmgw_agent.stream import ControlLink, Outbox
 from llmgw_agent.supervisor import Supervisor
 
@@ -49,6 +50,7 @@ class Agent:
             files = tls.files()
             ssl_context = client_context(*files)
             reloader = CertReloader(ssl_context, *files)
+        self.adapters = AdapterCommands(self.supervisor.adapter_target)
         self.link = ControlLink(
             config,
             handler=self.supervisor,
@@ -57,6 +59,7 @@ class Agent:
             usage=self.gpus.usage,
             ssl_context=ssl_context,
             reloader=reloader,
+            adapters=self.adapters,
         )
         self.kv_events = KvEventsRelay(
             self.supervisor.kv_sources,
@@ -69,6 +72,7 @@ class Agent:
             lambda report: self.outbox.put(v1.AgentMessage(load_report=report)),
             interval=lambda: self.link.load_interval,
             session=lambda: self.link.sessions if self.link.connected.is_set() else 0,
+            adapters=self.adapters.adapters,
         )
 
     def register(self) -> v1.Register:

@@ -145,6 +145,7 @@ def _key(load: v1.EngineLoad) -> tuple[object, ...]:
         load.prefix_cache_hits,
         load.generation,
         load.cache_tokens,
+        tuple(load.adapters),
     )
 
 
@@ -158,8 +159,11 @@ class LoadReporter:
         *,
         interval: Callable[[], float],
         session: Callable[[], int],
+        adapters: Callable[[str, int], list[str]] | None = None,
     ) -> None:
         self.sources = sources
+        # The LoRA adapters an engine holds (shard id, generation), for its reports.
+        self.adapters = adapters
         self.send = send
         self.interval = interval
         # A number that changes with each new stream (and is 0 while none is up).
@@ -197,6 +201,9 @@ class LoadReporter:
             self._sent.clear()  # a new stream: the control plane gets everything again
         sources = self.sources()
         loads = await asyncio.gather(*(self.read(s) for s in sources))
+        if self.adapters is not None:
+            for load in loads:
+                load.adapters = self.adapters(load.shard_id, load.generation)
         live = {s.shard_id for s in sources}
         for gone in set(self._sent) - live:
             del self._sent[gone]

@@ -14,7 +14,7 @@ import contextlib
 import re
 from urllib.parse import urlsplit
 
-__all__ = ["http_get"]
+__all__ = ["http_get", "http_post"]
 
 _MAX_BODY = 16 * 1024 * 1024
 
@@ -29,7 +29,17 @@ async def http_get(url: str, *, timeout: float = 5.0, api_key: str = "") -> tupl
         return await _get(url, api_key)
 
 
-async def _get(url: str, api_key: str) -> tuple[int, bytes]:
+async def http_post(
+    url: str, body: bytes, *, timeout: float = 5.0, api_key: str = ""
+) -> tuple[int, bytes]:
+    """(status, body) of POST ``url`` with a JSON ``body`` (the engines' LoRA APIs)."""
+    async with asyncio.timeout(timeout):
+        return await _get(url, api_key, method="POST", body=body)
+
+
+async def _get(
+    url: str, api_key: str, *, method: str = "GET", body: bytes = b""
+) -> tuple[int, bytes]:
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or 80
@@ -40,9 +50,15 @@ async def _get(url: str, api_key: str) -> tuple[int, bytes]:
     try:
         host_header = f"[{host}]" if ":" in host else host
         auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        sent = (
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            if method != "GET"
+            else ""
+        )
         writer.write(
-            f"GET {path} HTTP/1.0\r\nHost: {host_header}:{port}\r\n{auth}"
+            f"{method} {path} HTTP/1.0\r\nHost: {host_header}:{port}\r\n{auth}{sent}"
             "User-Agent: llmgw-agent\r\nAccept: */*\r\n\r\n".encode()
+            + body
         )
         await writer.drain()
         raw = await reader.read(_MAX_BODY)

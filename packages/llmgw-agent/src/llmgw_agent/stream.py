@@ -39,6 +39,7 @@ from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader
 
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.lora import AdapterCommands
 
 __all__ = ["CONNECT", "CommandHandler", "ControlLink", "Outbox"]
 
@@ -165,6 +166,8 @@ class ControlLink:
     load_interval: float = 0.0
     # The address of the current (or last) stream.
     address: str = ""
+    # LoRA adapters' LoadAdapter/UnloadAdapter (answered once the engine answers).
+    adapters: AdapterCommands | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
     _addresses: list[str] = field(default_factory=list)
     _next: int = 0
@@ -401,5 +404,19 @@ class ControlLink:
             drain = message.drain_shard
             log.info("command: drain", command=drain.command_id, shard=drain.shard_id)
             return self._fenced(drain.command_id, drain.epoch) or self.handler.drain(drain)
+        adapter = message.load_adapter or message.unload_adapter
+        if adapter is not None:
+            log.info("command: adapter", command=adapter.command_id, shard=adapter.shard_id)
+            refused = self._fenced(adapter.command_id, adapter.epoch)
+            if refused is not None:
+                return refused
+            if self.adapters is None:
+                return v1.CommandResult(
+                    command_id=adapter.command_id, ok=False, error="this agent loads no adapters"
+                )
+            self.adapters.submit(
+                message, lambda r: self.outbox.put(v1.AgentMessage(command_result=r))
+            )
+            return None
         log.warning("ignoring unexpected message from the control plane", message=repr(message))
         return None

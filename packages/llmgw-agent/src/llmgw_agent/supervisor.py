@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import structlog
 from llmgw_proto import v1
@@ -50,6 +51,7 @@ from llmgw_agent.engines import InstalledEngine, load_installed
 from llmgw_agent.health import health_status, running_requests
 from llmgw_agent.kv_events import KvSource
 from llmgw_agent.load import LoadSource
+from llmgw_agent.lora import EngineTarget
 from llmgw_agent.output import OutputFollower, file_tail
 from llmgw_agent.plan import Plan, Refused, plan
 from llmgw_agent.procs import (
@@ -241,6 +243,19 @@ class Supervisor:
             for e in self.engines.values()
             if e.state in (S.READY, S.DRAINING) and not e.record.launch.headless
         ]
+
+    def adapter_target(self, shard_id: str) -> EngineTarget | None:
+        """A serving engine's address for LoRA adapter commands (llmgw_agent.lora)."""
+        e = self.engines.get(shard_id)
+        if e is None or e.state not in (S.READY, S.DRAINING) or e.record.launch.headless:
+            return None
+        parts = urlsplit(e.record.launch.health_url)
+        return EngineTarget(
+            kind=e.adapter.kind,
+            base_url=f"{parts.scheme}://{parts.netloc}",
+            api_key=e.record.launch.api_key,
+            generation=int(e.record.started_at * 1000),
+        )
 
     def kv_sources(self) -> list[KvSource]:
         """The serving engines that publish KV-cache events."""
