@@ -26,7 +26,15 @@ from pathlib import Path
 from llmgw_proto.config import BaseConfig
 from llmgw_proto.tls import UnreadableIdentity, read_identity
 
-__all__ = ["AdminAuth", "Credentials", "Denied", "authorize", "load_token"]
+__all__ = [
+    "AdminAuth",
+    "Credentials",
+    "Denied",
+    "TokenError",
+    "authorize",
+    "load_token",
+    "token_path",
+]
 
 TOKEN_FILE = "admin.token"  # noqa: S105 - a file name, not a secret
 

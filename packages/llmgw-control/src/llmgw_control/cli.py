@@ -22,8 +22,9 @@ from llmgw_proto.grpc_limits import log_too_large
 from llmgw_proto.text import visible, visible_data
 from llmgw_proto.tls import CertReloader, server_context
 
-from llmgw_control import __version__
+from llmgw_control import __version__, operate, opscli
 from llmgw_control.admin import AdminServer
+from llmgw_control.auth import TokenError
 from llmgw_control.config import (
     ControlConfig,
     Loaded,
@@ -79,6 +80,8 @@ def serve(config_path: Path, insecure: bool) -> None:
     except StoreError as err:
         # Never a silent fresh start: a store that cannot be read stops the start.
         fail(f"state store: {err}", code=2)
+    except TokenError as err:
+        fail(f"admin API: {err}", code=2)
     except OSError as err:
         fail(f"cannot serve: {err}", code=1)
 
@@ -126,8 +129,10 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     admin = AdminServer(controller, controller.metrics.registry, insecure=ssl is None)
     admin_host, admin_port = split_hostport(config.admin_listen)
     try:
-        await admin.start(admin_host, admin_port)
-    except OSError:
+        # The operator's verbs and engine logs, behind the admin credential (issue 29).
+        admin_tls = operate.install(admin, controller, config, config_path)
+        await admin.start(admin_host, admin_port, tls=admin_tls)
+    except (OSError, TokenError):
         server.close()
         raise
 
@@ -486,3 +491,7 @@ def ca_issue(
     except CaError as err:
         fail(str(err))
     click.echo(f"{role} certificate: {made.cert}\nkey: {made.key}")
+
+
+# The operator's verbs and engine logs (issue 29): node, scale, restart, rollout, logs.
+opscli.register(main)

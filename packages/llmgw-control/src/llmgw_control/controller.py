@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 from llmgw_proto import v1
 
+from llmgw_control import ops as operations
 from llmgw_control import status as status_view
 from llmgw_control.agent_service import AgentService, Session
 from llmgw_control.autoscaler import Autoscaler
@@ -103,7 +104,12 @@ async def watch_loop_lag(metrics: Metrics, every: float = 0.05) -> None:
 class Controller:
     def __init__(self, loaded: Loaded) -> None:
         self.config: ControlConfig = loaded.config
+        # What the config says, and what runs: the config with the operator's overrides
+        # (llmgw_control.ops: scale, rollout undo) applied, as every pass sees it.
+        self.config_catalog: Catalog = loaded.catalog
         self.catalog: Catalog = loaded.catalog
+        self.ops = operations.Ops()
+        self._deadlines_passed: set[float] = set()
         self.settings = settings_of(self.config.control)
         self.metrics = Metrics()
         self.inventory = Inventory()
@@ -168,6 +174,8 @@ class Controller:
         """Hold nothing (the state is read again on being elected); writes stay off."""
         self.inventory = Inventory()
         self.state = ControlState(started_at=time.monotonic())
+        self.ops = operations.Ops()
+        self.catalog = self.config_catalog
         self.keeper.reset()
         self.keeper.writing(False)
 
@@ -185,6 +193,10 @@ class Controller:
             publisher.update(self.endpoints())
             publisher.primed.set()
         self.keeper.restored(restored, publisher.version)
+        self.ops, problems = operations.decode(restored.other.get(operations.KIND, {}))
+        for problem in problems:
+            log.warning("stored override unreadable; ignored", problem=problem)
+        self.catalog = operations.effective_catalog(self.config_catalog, self.ops)
         store = self.keeper.store
         log.info(
             "state restored",
@@ -193,7 +205,23 @@ class Controller:
             replicas=len(restored.replicas),
             endpoints=len(publisher.endpoints),
             publish_version=publisher.version,
+            overrides=len(operations.encode(self.ops)),
         )
+
+    def set_ops(self, new: operations.Ops) -> None:
+        """Take the operator's overrides ``new``: kept in the store, applied from the next pass."""
+        for key, value in operations.changes(self.ops, new).items():
+            self.keeper.put(operations.KIND, key, value)
+        self.ops = new
+        self.catalog = operations.effective_catalog(self.config_catalog, new)
+        self._changed()
+
+    def _on_nodes(self) -> dict[str, list[str]]:
+        return {
+            rid: [p.node_id for p in r.shards]
+            for rid, r in self.state.replicas.items()
+            if not r.draining
+        }
 
     def stage_state(self) -> None:
         """Hand the keeper what it writes: nodes, replicas, the published endpoints."""
@@ -398,6 +426,11 @@ class Controller:
             )
         # Same input, no deadline due: the pass would send nothing. On a large fleet
         # a pass costs enough to delay heartbeats, so it is not run for nothing.
+        wall = time.time()
+        for op in self.ops.nodes.values():
+            if op.drain_deadline and wall >= op.drain_deadline not in self._deadlines_passed:
+                self._deadlines_passed.add(op.drain_deadline)  # a drain's deadline passed
+                self._dirty = True
         if not (force or self._dirty or now >= self._next_at or now >= self._resync_at):
             return
         self._dirty = False
@@ -410,8 +443,12 @@ class Controller:
             now,
             self.settings,
             wanted=self._wanted,
+            ops=operations.directives(self.ops, self._on_nodes(), wall),
         )
         self.state = decision.state
+        settled = operations.settle(self.ops, self.state.replicas)
+        if settled is not self.ops:
+            self.set_ops(settled)
         self.rollouts = decision.rollouts
         self._next_at = decision.next_at
         # With a store, commands go out once the records they follow from are stored
@@ -508,7 +545,8 @@ class Controller:
         ):
             log.warning("listen, admin_listen and tls changes take effect after a restart")
         self.config = loaded.config
-        self.catalog = loaded.catalog
+        before, self.config_catalog = self.config_catalog, loaded.catalog
+        self.set_ops(operations.remember_previous(self.ops, before, loaded.catalog))
         self.settings = settings_of(loaded.config.control)
         self.agents.load_interval = float(loaded.config.control.load_interval)
         log.info("config reloaded", profiles=len(loaded.catalog.profiles))
@@ -617,9 +655,25 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         out = status_view.status(self.fleet())
+        self._show_operations(out)
         if self.catalog.adapters:
             out["lora"] = self.adapters()
         return out
+
+    def _show_operations(self, out: dict[str, Any]) -> None:
+        """The operator's overrides, beside what the config says (llmgw_control.ops)."""
+        out["operations"] = self.operations()
+        held = {n["node_id"]: n for n in out["operations"]["nodes"]}
+        for n in out.get("nodes", []):
+            op = held.get(n.get("node_id"))
+            if op is not None:
+                n["cordoned"] = True
+                if "drain" in op:
+                    n["drain"] = op["drain"]
+
+    def operations(self) -> dict[str, Any]:
+        on_nodes = {rid: [p.node_id for p in r.shards] for rid, r in self.state.replicas.items()}
+        return operations.progress(self.ops, on_nodes, time.time())
 
     def summary(self) -> dict[str, Any]:
         return status_view.summary(self.fleet())

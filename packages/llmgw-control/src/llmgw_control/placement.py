@@ -53,6 +53,8 @@ class NodeView:
     address: str = ""
     used_gpus: set[int] = field(default_factory=set)
     used_ports: set[int] = field(default_factory=set)
+    # Cordoned or draining by an operator (llmgw_control.ops): no new replica here.
+    cordoned: bool = False
     _eligible: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def matching(self, name: str) -> int:
@@ -180,6 +182,7 @@ class _Removal:
 FILTERS = (
     "lost",
     "unreachable",
+    "cordoned",
     "address",
     "gpu_name",
     "gpu_memory",
@@ -193,6 +196,8 @@ def _filter(node: NodeView, demand: Demand, lo: int, hi: int) -> tuple[str, int]
     """The first filter that removes ``node`` and its near-miss value, or (None, free GPUs)."""
     if node.state != NodeState.READY:
         return ("lost" if node.state == NodeState.LOST else "unreachable"), 0
+    if node.cordoned:
+        return "cordoned", 0
     if not node.address:
         return "address", 0
     free = 0
@@ -232,7 +237,7 @@ def _phrase(name: str, r: _Removal, demand: Demand, lo: int, hi: int) -> str:
     one = n == 1
     has, is_ = ("has" if one else "have"), ("is" if one else "are")
     need = demand.gpus_per_node
-    if name in ("lost", "unreachable"):
+    if name in ("lost", "unreachable", "cordoned"):
         return f"{n} {is_} {name} ({_names(r.nodes)})"
     if name == "address":
         return f"{n} {has} no address on the management interface ({_names(r.nodes)})"

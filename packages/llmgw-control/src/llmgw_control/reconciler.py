@@ -22,6 +22,7 @@ from llmgw_proto.backoff import exponential
 
 from llmgw_control.catalog import Catalog, ProfileSpec
 from llmgw_control.inventory import Node, NodeState, ShardReport
+from llmgw_control.ops import Directives
 from llmgw_control.placement import (
     Demand,
     NodeView,
@@ -82,12 +83,16 @@ def reconcile(
     settings: Settings,
     new_id: Callable[[str, str], str] = new_replica_id,
     wanted: Mapping[tuple[str, str], int] | None = None,
+    ops: Directives | None = None,
 ) -> Decision:
     """One pass: desired vs actual, as new records and the commands to send.
 
-    ``wanted`` overrides a profile's replica count (the autoscaler's decision).
+    ``wanted`` overrides a profile's replica count (the autoscaler's decision);
+    ``ops`` is what the operator's overrides ask (:func:`llmgw_control.ops.directives`).
     """
-    return _Pass(catalog, nodes, _clone(state), now, settings, new_id, wanted or {}).run()
+    p = _Pass(catalog, nodes, _clone(state), now, settings, new_id, wanted or {})
+    p.ops = ops or Directives()
+    return p.run()
 
 
 def _clone(state: ControlState) -> ControlState:
@@ -137,6 +142,7 @@ class _Pass:
         self.s = settings
         self.new_id = new_id
         self.commands: list[Command] = []
+        self.ops = Directives()
 
     def run(self) -> Decision:
         self.state.passes += 1
@@ -331,27 +337,47 @@ class _Pass:
                 continue
             wanted = self.wanted.get(key, profile.replicas)
             rev = profile.revision
-            old = [r for r in live if r.revision and r.revision != rev]
-            new = [r for r in live if not (r.revision and r.revision != rev)]
+            ops = self.ops
+            for r in [r for r in live if r.replica_id in ops.evict]:
+                self._retire(r, ops.evict[r.replica_id])
+            live = [r for r in live if r.replica_id not in ops.evict]
+            old = [
+                r for r in live if (r.revision and r.revision != rev) or r.replica_id in ops.replace
+            ]
+            new = [r for r in live if r not in old]
             self._trim(new, wanted, "draining: more replicas than wanted")
             new = [r for r in new if r.replica_id in self.state.replicas]
             count = wanted - len(new)
             if old:
+                surge, unavailable = profile.max_surge, profile.max_unavailable
+                replacing = [r.replica_id for r in old if r.replica_id in ops.replace]
+                if replacing:
+                    # A drain or a restart: a new replica first, never fewer ready.
+                    surge, unavailable = max(surge, 1), 0
                 step = rollout_step(
                     wanted,
                     [self._view(r) for r in new],
                     [self._view(r) for r in old],
-                    profile.max_surge,
-                    profile.max_unavailable,
+                    surge,
+                    unavailable,
                 )
                 count = step.start
                 by_id = {r.replica_id: r for r in old}
-                for rid in step.drain:
-                    self._retire(by_id[rid], f"draining: replaced by revision {rev}")
+                drain: tuple[str, ...]
+                if profile.model in ops.paused:
+                    count, drain, state = 0, (), "paused"
+                    reason = "paused by an operator (llmgw-control rollout resume)"
+                else:
+                    drain, state, reason = step.drain, step.state, step.reason
+                for rid in drain:
+                    self._retire(
+                        by_id[rid], ops.replace.get(rid, f"draining: replaced by revision {rev}")
+                    )
                 self.rollouts[key] = {
                     "revision": rev,
-                    "state": step.state,
-                    "reason": step.reason,
+                    "state": state,
+                    "reason": reason,
+                    "replacing": sorted(replacing),
                     **step.progress,
                 }
             if not placing:
@@ -456,6 +482,7 @@ class _Pass:
                 n.gpus,
                 n.labels,
                 n.address(self.s.mgmt_interface),
+                cordoned=n.node_id in self.ops.cordoned,
             )
             for n in self.nodes.values()
         }

@@ -78,6 +78,9 @@ class RetryConfig(BaseConfig):
     budget_ratio: Annotated[float, msgspec.Meta(ge=0)] = 0.2
     budget_min_per_second: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     retry_on_429: bool = True
+    # After the first byte: a streamed chat or text completion whose engine breaks off
+    # is resumed on another replica this many times at most (0: never; issue 28).
+    max_resumes: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
 
 
 class EjectionConfig(BaseConfig):

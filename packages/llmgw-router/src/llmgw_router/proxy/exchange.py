@@ -18,10 +18,12 @@ from __future__ import annotations
 import structlog
 
 from llmgw_router.endpoints import Endpoint
-from llmgw_router.errors import error_body
+from llmgw_router.errors import error_body, sse_error_event
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
 from llmgw_router.proxy.relay import Relay, response_headers
+from llmgw_router.proxy.resumable import ResumableRelay, StreamBroken
+from llmgw_router.proxy.resume import Decision, Splice, continuation, decide, refusal
 from llmgw_router.retry import RetryPolicy, Verdict, after_failure
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
@@ -34,14 +36,16 @@ log = structlog.get_logger(__name__)
 class Exchange:
     """The retry loop around one request's attempts."""
 
-    __slots__ = ("_policy", "chooser", "pool", "relay", "state")
+    __slots__ = ("_max_resumes", "_policy", "chooser", "pool", "relay", "resumable", "state")
 
     def __init__(self, state: RouterState, pool: Pool | None, chooser: Chooser) -> None:
         self.state = state
         self.pool = pool
         self.chooser = chooser
         self.relay = Relay(state, pool)
+        self.resumable = ResumableRelay(state, pool, self.relay)
         config = state.config
+        self._max_resumes = config.retries.max_resumes
         self._policy = RetryPolicy(
             max_retries=config.retries.max_retries, retry_on_429=config.retries.retry_on_429
         )
@@ -51,17 +55,40 @@ class Exchange:
         metrics = state.metrics
         state.budget.on_request(ctx.started)
         last_failure: UpstreamFailure | None = None
+        # A stream that may be resumed after its first byte (issue 28): followed as it goes.
+        splice = Splice() if self._max_resumes and refusal(ctx.path, ctx.body) is None else None
+        original = ctx.body
         while True:
             ep = self.chooser.pick(ctx)
             if ep is None:
+                if splice is not None and splice.started:
+                    detail = last_failure.detail if last_failure else "no replica left"
+                    await self._broken(ctx, send, splice, "no_replica", detail)
+                    return
                 if last_failure is not None and ctx.tried:
-                    await self._give_up(ctx, send, ctx.tried[-1], last_failure)
+                    await self._give_up(ctx, send, ctx.tried[-1], last_failure, splice)
                     return
                 raise self.chooser.unavailable(ctx.model, ctx.candidates)
             ctx.tried.append(ep)
             try:
-                await self._attempt(ctx, send, ep)
+                await self._attempt(ctx, send, ep, splice)
+                if splice is not None and splice.resumes:
+                    log.info(
+                        "resumed stream ended",
+                        model=ctx.model,
+                        resumes=splice.resumes,
+                        endpoints=[t.id for t in ctx.tried],
+                        tokens=splice.tokens,
+                    )
                 return
+            except StreamBroken as broken:
+                assert splice is not None
+                if not await self._after_break(ctx, send, ep, splice, broken):
+                    return
+                ctx.body = continuation(ctx.path, original, splice.text, splice.tokens)
+                splice.resumed()
+                metrics.child(metrics.resumes, ctx.model).inc()
+                continue
             except UpstreamFailure as failure:
                 last_failure = failure
                 if failure.reason == "connect":
@@ -86,15 +113,77 @@ class Exchange:
             if verdict is not Verdict.RETRY:
                 if verdict is Verdict.BUDGET:
                     metrics.child(metrics.retries_denied, ctx.model).inc()
-                await self._give_up(ctx, send, ep, last_failure)
+                await self._give_up(ctx, send, ep, last_failure, splice)
                 return
             ctx.retries += 1
             metrics.child(metrics.retries, ctx.model).inc()
 
-    @staticmethod
-    async def _give_up(
-        ctx: RequestContext, send: Reply, ep: Endpoint, failure: UpstreamFailure
+    async def _after_break(
+        self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice, broken: StreamBroken
+    ) -> bool:
+        """After a resumable stream broke: True to resume it; else it was ended here."""
+        decision = decide(
+            max_resumes=self._max_resumes,
+            resumes=splice.resumes,
+            now=now(),
+            deadline=ctx.deadline,
+            finished=splice.finished,
+            why_not=splice.why_not,
+        )
+        log.info(
+            "stream broke off",
+            endpoint=ep.id,
+            model=ctx.model,
+            reason=broken.reason,
+            detail=broken.detail,
+            decision=decision.value,
+            why_not=splice.why_not or None,
+            resumes=splice.resumes,
+            tokens=splice.tokens,
+        )
+        if decision is Decision.RESUME:
+            return True
+        if decision is Decision.DONE:
+            # The whole answer was in: only its end was lost.
+            if not splice.done_sent:
+                await send.body(b"data: [DONE]\n\n", True)
+            await send.body(b"")
+            ctx.status, ctx.endpoint = 200, ep.id
+            return False
+        reason = splice.why_not if decision is Decision.UNRESUMABLE else decision.value
+        await self._broken(ctx, send, splice, reason, broken.detail)
+        return False
+
+    async def _broken(
+        self, ctx: RequestContext, send: Reply, splice: Splice, reason: str, detail: str
     ) -> None:
+        """A started stream that cannot go on: the error event, as without resuming."""
+        metrics = self.state.metrics
+        metrics.child(metrics.resume_failures, ctx.model, reason).inc()
+        log.warning(
+            "stream failed after first byte",
+            model=ctx.model,
+            error=detail,
+            resume_failed=reason,
+            resumes=splice.resumes,
+        )
+        await send.body(sse_error_event(detail, "upstream_error"))
+        ctx.status = ctx.status or 200
+        ctx.endpoint = ctx.endpoint or (ctx.tried[-1].id if ctx.tried else "")
+
+    async def _give_up(
+        self,
+        ctx: RequestContext,
+        send: Reply,
+        ep: Endpoint,
+        failure: UpstreamFailure,
+        splice: Splice | None = None,
+    ) -> None:
+        if splice is not None and splice.started:
+            # A continuation found no engine: the client's stream has begun, so it ends
+            # with the error event.
+            await self._broken(ctx, send, splice, "retries_spent", failure.detail)
+            return
         if failure.response is not None:
             status, headers, payload = failure.response
             await send.start(status, headers)
@@ -113,7 +202,9 @@ class Exchange:
             )
         ctx.status, ctx.endpoint = status, ep.id
 
-    async def _attempt(self, ctx: RequestContext, send: Reply, ep: Endpoint) -> None:
+    async def _attempt(
+        self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice | None = None
+    ) -> None:
         pool = self.pool
         assert pool is not None
         deadlines = ctx.deadlines
@@ -169,7 +260,10 @@ class Exchange:
                 ) from None
             if status < 500:
                 self.state.record_success(ep)
-            clean = await self.relay.relay(ctx, send, ep, response, first)
+            if splice is None:
+                clean = await self.relay.relay(ctx, send, ep, response, first)
+            else:
+                clean = await self.resumable.relay(ctx, send, ep, response, first, splice)
         finally:
             ep.attempt_ended(miss, work, answered, now())
             if response is not None:
