@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,10 @@ class Leading:
         self._serving = False
         self._reconciler: asyncio.Task[None] | None = None
         self._persist: asyncio.Task[None] | None = None
+        # Told when the state was read back (start, takeover) and when it is forgotten
+        # (standing by): what keeps records of its own beside the controller (keys).
+        self.on_restored: list[Callable[[StateKeeper], None]] = []
+        self.on_forgotten: list[Callable[[], None]] = []
         registry = controller.metrics.registry
         self.leader_gauge = Gauge(
             "llmgw_control_leader", "1 while this instance leads (dispatches).", registry=registry
@@ -108,6 +113,7 @@ class Leading:
             self.keeper.other.setdefault(META, {})["epoch"] = str(epoch).encode()
             self._epoch(epoch)
             self.controller.restore(restored)
+            self._restored()
         else:
             log.info(
                 "state readable; campaigning for the lead",
@@ -117,6 +123,15 @@ class Leading:
             )
             # A standby holds nothing: the state is read again when it is elected.
             self.controller.follow()
+            self._forgotten()
+
+    def _restored(self) -> None:
+        for hook in self.on_restored:
+            hook(self.keeper)
+
+    def _forgotten(self) -> None:
+        for hook in self.on_forgotten:
+            hook()
 
     def _epoch(self, epoch: int) -> None:
         self.controller.agents.epoch = epoch
@@ -141,6 +156,7 @@ class Leading:
         self.keeper.persister.on_not_leader = self._fenced  # type: ignore[union-attr]
         restored = await self.keeper.load()
         c.restore(restored)
+        self._restored()
         self._epoch(epoch)
         self.leader_gauge.set(1)
         self._start_leading()
@@ -154,6 +170,7 @@ class Leading:
         # At once, before anything else can run: nothing more is dispatched or written,
         # and what was held is forgotten.
         self.controller.follow()
+        self._forgotten()
         self._serving = False
         self.leader_gauge.set(0)
         for task in (self._reconciler, self._persist):
