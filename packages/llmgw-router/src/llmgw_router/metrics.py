@@ -225,6 +225,18 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.resumes = Counter(
+            "llmgw_router_resumes",
+            "Streams resumed on another replica after their engine broke off.",
+            ["model"],
+            registry=r,
+        )
+        self.resume_failures = Counter(
+            "llmgw_router_resume_failures",
+            "Broken streams not resumed (ended with the error event), by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
         self.ejections = Counter(
             "llmgw_router_ejections", "Outlier ejections, by endpoint.", ["endpoint"], registry=r
         )
