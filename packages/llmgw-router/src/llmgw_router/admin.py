@@ -111,6 +111,9 @@ def admin_app(state: RouterState) -> Starlette:
                 else None,
                 "declared": dict(current.declared),
                 "held": dict(state.held),
+                # Tenants: the fair-share queues (held per priority and key, the oldest
+                # wait) and each key's limits at this router now.
+                "tenants": state.tenants.view() if state.tenants is not None else None,
                 "endpoints": [
                     {
                         "id": ep.id,

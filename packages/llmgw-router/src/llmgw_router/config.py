@@ -17,6 +17,8 @@ from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 from llmgw_proto.keepalive import keepalive_problem
 from llmgw_proto.tls import TlsConfig
 
+from llmgw_router.tenants.config import TenantsConfig, check_tenants
+from llmgw_router.tenants.limits import KeyLimits
 from llmgw_router.tokens import PromptTokenizer, TokenizerError
 
 __all__ = [
@@ -236,6 +238,16 @@ class ApiKeyConfig(BaseConfig):
     name: str = ""
     # Served model names this key may use; empty means every model.
     models: list[str] = msgspec.field(default_factory=list)
+    # Limits (0: none), for this router (divided among its workers): requests and
+    # tokens per minute, requests at once, a token budget per period (`day`/`month`).
+    rpm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    tpm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 0
+    budget_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    budget_period: Literal["day", "month"] = "month"
+    # A band of `tenants.bands` ("": tenants.default_priority), and the key's weight in it.
+    priority: str = ""
+    weight: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1
 
 
 class KeysFile(BaseConfig):
@@ -244,9 +256,19 @@ class KeysFile(BaseConfig):
 
 @dataclass(frozen=True)
 class ApiKey:
+    # The secret; for a key from the control plane empty (``sha256`` is its hash).
     secret: bytes
     name: str
     models: frozenset[str]
+    limits: KeyLimits = KeyLimits()
+    priority: str = ""
+    weight: int = 1
+    budget_period: str = ""
+    # A control-plane key's lookup prefix (`llmgw_<8 hex>`) and the secret's hex SHA-256.
+    prefix: str = ""
+    sha256: str = ""
+    # Router-config keys: True; the control plane's limits are fleet-wide (shared out).
+    local: bool = True
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -273,7 +295,24 @@ def resolve_api_keys(cfg: RouterConfig, source: str) -> tuple[ApiKey, ...]:
         if secret in seen:
             raise ConfigError(where, "this API key is listed twice", field)
         seen.add(secret)
-        keys.append(ApiKey(secret, item.name or f"key-{len(keys) + 1}", frozenset(item.models)))
+        limits = KeyLimits(item.rpm, item.tpm, item.max_concurrent, item.budget_tokens)
+        keys.append(
+            ApiKey(
+                secret,
+                item.name or f"key-{len(keys) + 1}",
+                frozenset(item.models),
+                limits=limits,
+                priority=item.priority,
+                weight=item.weight,
+                budget_period=item.budget_period if item.budget_tokens else "",
+            )
+        )
+        if item.priority and item.priority not in cfg.tenants.bands:
+            raise ConfigError(
+                where,
+                f"priority {item.priority!r} is not one of tenants.bands {cfg.tenants.bands}",
+                f"{field}.priority",
+            )
     return tuple(keys)
 
 
@@ -293,6 +332,8 @@ class RouterConfig(BaseConfig):
     # More keys from a YAML/TOML file of the form `keys: [...]` (same entries as api_keys),
     # so secrets need not sit in the main config.
     api_keys_file: str = ""
+    # Per-key admission (limits, shares, priority bands, the fair-share queue).
+    tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
     deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
     # Per served model name: deadlines that differ from the global ones.
     model_deadlines: dict[str, DeadlinesOverride] = msgspec.field(default_factory=dict)
@@ -373,6 +414,7 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
             PromptTokenizer(Path(folder))
         except TokenizerError as err:
             raise ConfigError(source, str(err), where) from None
+    check_tenants(cfg.tenants, source)
     if cfg.api_keys_file:
         path = Path(cfg.api_keys_file)
         if not path.is_file():

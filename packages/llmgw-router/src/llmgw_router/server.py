@@ -99,7 +99,7 @@ async def serve(
     )
     # The request path has its own lean client (see upstream.py); health checks use aiohttp.
     pool = Pool(per_endpoint=config.pool_per_endpoint, keepalive=config.keepalive)
-    proxy = ProxyApp(state, pool, api_keys)
+    proxy = ProxyApp(state, pool, api_keys, workers=worker.workers if worker is not None else 1)
     background: list[asyncio.Task[None]] = []
     if config.health_checks.enabled:
         background.append(asyncio.create_task(HealthChecker(state, session).run()))
@@ -117,6 +117,9 @@ async def serve(
             router_id=_router_id(config.control.router_id or socket.gethostname(), worker),
             static=static,
         )
+        from llmgw_router.control.keys import KeysClient
+
+        watcher.keys = KeysClient(proxy.tenancy, watcher.router_id)
         if insecure or config.control.tls.insecure:
             log.warning(
                 "control plane stream is plaintext (--insecure); use only on a trusted network"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -93,6 +94,8 @@ class RouterState:
         # Scale to zero: requests held per model, and who tells the control plane.
         self.held: dict[str, int] = {}
         self.on_demand: list[Callable[[str], None]] = []
+        # Tenants (tenants.gate.Tenancy), set by the proxy: the admin view reads it.
+        self.tenants: Any = None
 
     def demand(self, model: str) -> None:
         for callback in self.on_demand:

@@ -27,7 +27,7 @@ import re
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from grpclib.client import Channel
@@ -52,6 +52,9 @@ from llmgw_proto.v1 import EndpointLoad as WireLoad
 from llmgw_router.config import ControlConfig
 from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSpec, EngineLoad
 from llmgw_router.state import RouterState, now
+
+if TYPE_CHECKING:
+    from llmgw_router.control.keys import KeysClient
 
 __all__ = ["EndpointWatcher", "LeaderRedirect", "control_ssl", "load_from_wire", "spec_from_wire"]
 
@@ -210,6 +213,8 @@ class EndpointWatcher:
         self._next = 0
         self._demand = asyncio.Event()
         state.on_demand.append(lambda model: self._demand.set())
+        # Keys and shares (control/keys.py), on the same channel; None: not asked for.
+        self.keys: KeysClient | None = None
 
     # ------------------------------------------------------------------ snapshots
 
@@ -354,6 +359,9 @@ class EndpointWatcher:
                 if self.state.config.load_reports.enabled:
                     helpers.append(asyncio.create_task(self._load_loop(channel, lost)))
                 helpers.append(asyncio.create_task(self._demand_loop(channel)))
+                if self.keys is not None:
+                    helpers.append(asyncio.create_task(self.keys.watch(channel)))
+                    helpers.append(asyncio.create_task(self.keys.report(channel)))
             self.apply(snapshot, first)
             first = False
 

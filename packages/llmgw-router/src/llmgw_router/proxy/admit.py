@@ -16,6 +16,7 @@ from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
 from llmgw_router.proxy.context import Headers
 from llmgw_router.state import RouterState, now
+from llmgw_router.tenants.gate import Tenancy, lookup_secret
 
 __all__ = ["MODELS_PATH", "PROXIED_PATHS", "Admission", "too_large"]
 
@@ -34,12 +35,16 @@ def too_large(limit: int, declared: int | None) -> ApiError:
 class Admission:
     """Route, key and drain checks; the model list."""
 
-    __slots__ = ("keys", "state")
+    __slots__ = ("keys", "state", "tenancy")
 
-    def __init__(self, state: RouterState, keys: tuple[ApiKey, ...]) -> None:
+    def __init__(
+        self, state: RouterState, keys: tuple[ApiKey, ...], tenancy: Tenancy | None = None
+    ) -> None:
         self.state = state
         # Replaced whole when SIGHUP re-reads the keys file.
         self.keys = keys
+        # The control plane's keys (WatchKeys), by prefix, are the tenancy's.
+        self.tenancy = tenancy
 
     def admit(self, method: str, path: str, headers: Headers) -> ApiKey | None:
         """Route and key checks: the caller's key (None: open access), or an ApiError."""
@@ -60,7 +65,8 @@ class Admission:
     def authorize(self, headers: Headers) -> ApiKey | None:
         """The caller's key; None when the router has no keys (open access)."""
         keys = self.keys
-        if not keys:
+        by_prefix = self.tenancy.by_prefix if self.tenancy is not None else None
+        if not keys and not by_prefix:
             return None
         header = headers.get(b"authorization") or b""
         scheme, _, token = header.partition(b" ")
@@ -70,6 +76,9 @@ class Admission:
         for key in keys:
             if hmac.compare_digest(token, key.secret):
                 found = key
+        if found is None and by_prefix:
+            # A control-plane key: by its prefix, then its hash in constant time.
+            found = lookup_secret(by_prefix, token)
         if scheme.lower() != b"bearer" or found is None:
             raise ApiError(
                 401,

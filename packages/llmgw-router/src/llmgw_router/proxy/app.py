@@ -40,6 +40,8 @@ from llmgw_router.proxy.exchange import Exchange
 from llmgw_router.proxy.parse import RequestHeadWithPrompt, parse_head
 from llmgw_router.proxy.route import Router
 from llmgw_router.state import RouterState, now
+from llmgw_router.tenants.gate import Tenancy
+from llmgw_router.tenants.reply import WithHeaders
 from llmgw_router.upstream import Pool
 
 __all__ = ["ProxyApp"]
@@ -51,11 +53,18 @@ class ProxyApp:
     """The OpenAI routes: :meth:`serve_request` for the router's own server, ASGI otherwise."""
 
     def __init__(
-        self, state: RouterState, pool: Pool | None = None, api_keys: tuple[ApiKey, ...] = ()
+        self,
+        state: RouterState,
+        pool: Pool | None = None,
+        api_keys: tuple[ApiKey, ...] = (),
+        workers: int = 1,
     ) -> None:
         self.state = state
         self.pool = pool
-        self.admission = Admission(state, api_keys)
+        # Per-key limits, shares and the fair-share queue (tenants/).
+        self.tenancy = Tenancy(state, state.config.tenants, workers)
+        state.tenants = self.tenancy
+        self.admission = Admission(state, api_keys, self.tenancy)
         self.router = Router(state)
         self.chooser = Chooser(state)
         self._with_prompt = self.chooser.cache_aware
@@ -119,6 +128,11 @@ class ProxyApp:
         if tokenizer is not None:
             assert isinstance(head, RequestHeadWithPrompt)
             await self.chooser.read_tokens(ctx, head, tokenizer)
+        tenancy = self.tenancy
+        if api_key is not None or tenancy.queue_on:
+            # Last, so that nothing between here and exchange() can fail: its finally
+            # gives the ticket back.
+            ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
         return ctx
 
     async def exchange(self, ctx: RequestContext, reply: Reply, outcome: Outcome) -> None:
@@ -126,8 +140,14 @@ class ProxyApp:
         state = self.state
         state.in_flight += 1
         outcome.ctx = ctx
+        ticket = ctx.tenant
+        if ticket is not None and ticket.state is not None:
+            reply = WithHeaders(reply, lambda: self.tenancy.headers(ticket))
         try:
             await self._exchange.serve(ctx, reply)
+        except ApiError as err:
+            ctx.status = ctx.status or err.status
+            raise
         except asyncio.CancelledError:
             if not reply.gone or reply.task is None:
                 raise
@@ -137,6 +157,9 @@ class ProxyApp:
             log.info("client disconnected", model=ctx.model, after=round(now() - ctx.started, 3))
         finally:
             state.in_flight -= 1
+            if ticket is not None:
+                prompt, completion = ctx.usage if ctx.usage is not None else (None, None)
+                self.tenancy.done(ticket, prompt, completion, ctx.status)
 
     def count(self, outcome: Outcome) -> None:
         """The one place request metrics are recorded."""

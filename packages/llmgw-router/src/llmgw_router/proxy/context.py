@@ -88,6 +88,10 @@ class RequestContext:
     # The outcome, counted once when the request ends.
     status: int = 0
     endpoint: str = ""
+    # Tenants: the admission ticket (tenants.gate.Ticket) and the engine's usage
+    # (prompt, completion tokens) once the relay read it.
+    tenant: Any = None
+    usage: tuple[int, int] | None = None
 
 
 class Outcome:

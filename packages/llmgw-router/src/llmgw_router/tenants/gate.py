@@ -1,0 +1,481 @@
+"""Admission at the router: each key's limits, its share of fleet-wide limits, and the
+fair-share queue when the engines are full. The pure parts are limits.py and fair.py;
+this module holds them per key and per model, and reads the clock.
+
+A request passes :meth:`Tenancy.admit` after routing (its model and candidates are
+known) and before any engine sees it, and :meth:`Tenancy.done` when it ends, whatever
+the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+
+from llmgw_router.config import ApiKey
+from llmgw_router.endpoints import Endpoint
+from llmgw_router.errors import ApiError
+from llmgw_router.state import RouterState, now
+from llmgw_router.tenants.config import TenantsConfig
+from llmgw_router.tenants.fair import FairQueue, Held
+from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation
+from llmgw_router.tenants.metrics import TenantMetrics
+
+__all__ = ["Share", "Tenancy", "Ticket", "lookup_secret"]
+
+log = structlog.get_logger(__name__)
+
+# Bytes of a request body per prompt token, for the estimate reserved at admission
+# (an over-estimate for English text: a reservation errs on the safe side).
+BYTES_PER_TOKEN = 4
+
+
+class _MaxTokens(msgspec.Struct):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+_decode_max = msgspec.json.Decoder(_MaxTokens).decode
+
+
+def estimate_tokens(body: bytes, default_max_tokens: int) -> int:
+    """Prompt tokens (estimated from the body's size) plus the completion's bound."""
+    try:
+        head = _decode_max(body)
+    except msgspec.DecodeError:
+        head = _MaxTokens()
+    completion = head.max_completion_tokens or head.max_tokens
+    if completion is None or completion < 0:
+        completion = default_max_tokens
+    return len(body) // BYTES_PER_TOKEN + completion
+
+
+def lookup_secret(by_prefix: dict[str, ApiKey], token: bytes) -> ApiKey | None:
+    """A control-plane key by its secret: found by prefix (`llmgw_<8 hex>`), then the
+    secret's SHA-256 compared in constant time."""
+    cut = token.find(b"_", 6)
+    if cut < 0 or not token.startswith(b"llmgw_"):
+        return None
+    key = by_prefix.get(token[:cut].decode("latin-1"))
+    if key is None:
+        return None
+    digest = hashlib.sha256(token).hexdigest()
+    return key if hmac.compare_digest(digest, key.sha256) else None
+
+
+@dataclass(slots=True)
+class Share:
+    """This router's part of a key's fleet-wide limits, from the control plane."""
+
+    rpm: float
+    tpm: float
+    max_concurrent: int
+    budget_tokens: int
+
+
+@dataclass(slots=True)
+class _Usage:
+    """One key's usage since the last report (ReportUsage's KeyUsage)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+    refused: int = 0
+    held_seconds: float = 0.0
+    # Requests and tokens asked for, admitted or not: the demand.
+    asked: int = 0
+    asked_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Ticket:
+    """What one admitted request holds until :meth:`Tenancy.done`."""
+
+    key: str
+    band: str
+    model: str
+    state: KeyState | None
+    reservation: Reservation | None
+    gated: bool
+    held: float = 0.0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Gate:
+    """One model's requests in flight through the gate, and those held."""
+
+    queue: FairQueue[asyncio.Future[None]]
+    candidates: tuple[Endpoint, ...] = ()
+    in_flight: int = 0
+    # Held requests by id(future): their place in the queue and when they came.
+    waiters: dict[int, tuple[Held[asyncio.Future[None]], float]] = field(default_factory=dict)
+
+
+def _period(kind: str, wall: float) -> str:
+    t = time.gmtime(wall)
+    return f"{t.tm_year}-{t.tm_mon:02d}" if kind == "month" else f"{t.tm_year}-{t.tm_yday}"
+
+
+class Tenancy:
+    """Per-key admission and the fair-share queue of one router process."""
+
+    def __init__(self, state: RouterState, config: TenantsConfig, workers: int = 1) -> None:
+        self.state = state
+        self.config = config
+        # Router-config limits are this router's; with N workers each takes 1/N.
+        self.workers = max(1, workers)
+        self.bands = {name: i for i, name in enumerate(config.bands)}
+        self.default_band = self.bands[config.default_priority]
+        self.queue_on = bool(config.queue.per_endpoint or config.queue.engine_waiting)
+        self.keys: dict[str, KeyState] = {}
+        self._periods: dict[str, str] = {}
+        # Control-plane keys by prefix, and this router's shares of their limits.
+        self.by_prefix: dict[str, ApiKey] = {}
+        self.keys_version = 0
+        self.shares: dict[str, Share] = {}
+        self.shares_until = -math.inf
+        self.usage: dict[str, _Usage] = {}
+        self.gates: dict[str, _Gate] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self.metrics = TenantMetrics(state.metrics.registry, self.queue_lengths)
+
+    # ------------------------------------------------------------------ keys, shares
+
+    def set_control_keys(self, keys: Iterable[ApiKey], version: int) -> None:
+        """The control plane's key set: replaces the previous one whole."""
+        self.by_prefix = {k.prefix: k for k in keys if k.prefix and k.sha256}
+        self.keys_version = version
+
+    def apply_shares(self, shares: Iterable[tuple[str, Share]], valid_for: float) -> None:
+        at = now()
+        self.shares = dict(shares)
+        self.shares_until = at + valid_for
+        for name, share in self.shares.items():
+            ks = self.keys.get(name)
+            if ks is not None and ks.limits.budget_tokens:
+                ks.grant(share.budget_tokens)
+
+    def limits_for(self, key: ApiKey, at: float) -> KeyLimits:
+        """What this router may admit of ``key`` now."""
+        limits = key.limits
+        if key.local:
+            return limits if self.workers == 1 else limits.scaled(1 / self.workers)
+        share = self.shares.get(key.name) if at < self.shares_until else None
+        if share is None:
+            return limits.scaled(self.config.fallback_fraction / self.workers)
+        return KeyLimits(
+            rpm=max(1.0, share.rpm) if limits.rpm else 0.0,
+            tpm=max(1.0, share.tpm) if limits.tpm else 0.0,
+            max_concurrent=max(1, share.max_concurrent) if limits.max_concurrent else 0,
+            budget_tokens=limits.budget_tokens,
+        )
+
+    def _state_for(self, key: ApiKey, at: float) -> KeyState:
+        limits = self.limits_for(key, at)
+        ks = self.keys.get(key.name)
+        if ks is None:
+            ks = self.keys[key.name] = KeyState(limits, at)
+            # A budget: a router-config key's is its own (its workers' part); a
+            # control-plane key's comes as grants with the shares.
+            share = self.shares.get(key.name)
+            ks.grant(
+                share.budget_tokens
+                if not key.local and share is not None
+                else (limits.budget_tokens // self.workers if key.local else 0)
+            )
+        elif ks.limits != limits:
+            ks.set_limits(limits, at)
+        if key.local and limits.budget_tokens:
+            period = _period(key.budget_period, time.time())
+            if self._periods.setdefault(key.name, period) != period:
+                self._periods[key.name] = period
+                ks.grant(limits.budget_tokens // self.workers)
+        return ks
+
+    # ------------------------------------------------------------------ admission
+
+    async def admit(
+        self, key: ApiKey | None, model: str, candidates: tuple[Endpoint, ...], body: bytes
+    ) -> Ticket:
+        """Admit a request, or raise ApiError (429 over a limit, 503 held too long)."""
+        at = now()
+        name = key.name if key is not None else ""
+        band = self.default_band
+        ks: KeyState | None = None
+        reservation: Reservation | None = None
+        usage = self.usage.get(name)
+        if usage is None:
+            usage = self.usage[name] = _Usage()
+        usage.asked += 1
+        if key is not None:
+            if key.priority in self.bands:
+                band = self.bands[key.priority]
+            if key.limits.limited:
+                ks = self._state_for(key, at)
+                limits = ks.limits
+                tokens = (
+                    estimate_tokens(body, self.config.default_max_tokens)
+                    if limits.tpm or limits.budget_tokens
+                    else 0
+                )
+                usage.asked_tokens += tokens
+                got = ks.try_reserve(tokens, at)
+                if isinstance(got, Refusal):
+                    usage.refused += 1
+                    self.metrics.child(self.metrics.refused, name, got.limit).inc()
+                    raise self._refusal(key, ks, got, at)
+                reservation = got
+        ticket = Ticket(name, self.config.bands[band], model, ks, reservation, self.queue_on)
+        if self.queue_on:
+            try:
+                await self._through_gate(ticket, band, key, candidates)
+            except BaseException:
+                ticket.gated = False
+                self.done(ticket, None, None, 0)
+                raise
+        self.metrics.child(self.metrics.requests, name).inc()
+        usage.requests += 1
+        return ticket
+
+    def _refusal(self, key: ApiKey, ks: KeyState, refusal: Refusal, at: float) -> ApiError:
+        retry = refusal.retry_after
+        retry_after = b"%d" % max(1, math.ceil(min(retry, 3600.0)))
+        log.info(
+            "request refused by admission",
+            key=key.name,
+            limit=refusal.limit,
+            retry_after=retry_after.decode(),
+        )
+        budget = refusal.limit == "budget"
+        return ApiError(
+            429,
+            f"API key {key.name!r}: {refusal.message}",
+            "insufficient_quota" if budget else "rate_limit_error",
+            code="insufficient_quota" if budget else "rate_limit_exceeded",
+            headers=[(b"retry-after", retry_after), *ks.headers(at)],
+        )
+
+    def headers(self, ticket: Ticket) -> list[tuple[bytes, bytes]]:
+        """The x-ratelimit-* headers for an admitted request's response."""
+        return ticket.state.headers(now()) if ticket.state is not None else []
+
+    def done(
+        self,
+        ticket: Ticket,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        status: int,
+    ) -> None:
+        """The request ended: reservations corrected, usage counted, the gate let go."""
+        if ticket.done:
+            return
+        ticket.done = True
+        at = now()
+        name = ticket.key
+        known = prompt_tokens is not None and completion_tokens is not None
+        used = (prompt_tokens or 0) + (completion_tokens or 0) if known else None
+        if ticket.state is not None and ticket.reservation is not None:
+            ticket.state.release(ticket.reservation, used, at)
+        usage = self.usage.get(name)
+        if usage is not None and known:
+            usage.prompt_tokens += prompt_tokens or 0
+            usage.completion_tokens += completion_tokens or 0
+            m = self.metrics
+            m.child(m.tokens, name, "prompt").inc(prompt_tokens or 0)
+            m.child(m.tokens, name, "completion").inc(completion_tokens or 0)
+        if status >= 400 and usage is not None:
+            usage.errors += 1
+            self.metrics.child(self.metrics.errors, name).inc()
+        if ticket.gated:
+            ticket.gated = False
+            gate = self.gates.get(ticket.model)
+            if gate is not None:
+                gate.in_flight -= 1
+                self._drain(gate)
+
+    # ------------------------------------------------------------------ the queue
+
+    def _gate(self, model: str, candidates: tuple[Endpoint, ...]) -> _Gate:
+        gate = self.gates.get(model)
+        if gate is None:
+            gate = self.gates[model] = _Gate(FairQueue(len(self.bands)))
+        gate.candidates = candidates
+        return gate
+
+    def full(self, gate: _Gate, at: float) -> bool:
+        """The model's engines take no more now: this router's cap per endpoint, or
+        every engine reporting requests waiting."""
+        queue = self.config.queue
+        candidates = gate.candidates
+        usable = [ep for ep in candidates if ep.usable(at)] or list(candidates)
+        if not usable:
+            return False
+        if queue.per_endpoint and gate.in_flight >= queue.per_endpoint * len(usable):
+            return True
+        if queue.engine_waiting:
+            for ep in usable:
+                engine = ep.fresh_engine(at)
+                if engine is None:
+                    return False
+                since = ep.sent_since_report - ep.finished_since_report
+                if engine.waiting + max(0, since) < queue.engine_waiting:
+                    return False
+            return True
+        return False
+
+    async def _through_gate(
+        self, ticket: Ticket, band: int, key: ApiKey | None, candidates: tuple[Endpoint, ...]
+    ) -> None:
+        gate = self._gate(ticket.model, candidates)
+        at = now()
+        if not len(gate.queue) and not self.full(gate, at):
+            gate.in_flight += 1
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        weight = float(key.weight) if key is not None else 1.0
+        held = gate.queue.push(future, band, ticket.key, weight)
+        gate.waiters[id(future)] = (held, at)
+        if len(gate.queue) > self.config.queue.max_held:
+            victim = gate.queue.shed()
+            if victim is not None:
+                gate.waiters.pop(id(victim.item), None)
+                if not victim.item.done():
+                    victim.item.set_exception(self._overloaded(ticket.model, "shed", victim))
+        self._drain(gate)
+        self._tick()
+        try:
+            async with asyncio.timeout(self.config.queue.max_wait):
+                await future
+        except TimeoutError:
+            raise self._overloaded(ticket.model, "queue_timeout", held) from None
+        finally:
+            if gate.waiters.pop(id(future), None) is not None:
+                gate.queue.remove(held)
+            ticket.held = now() - at
+            m = self.metrics
+            m.child(m.wait, ticket.band, ticket.key).observe(ticket.held)
+            m.child(m.held_seconds, ticket.key).inc(ticket.held)
+            usage = self.usage.get(ticket.key)
+            if usage is not None:
+                usage.held_seconds += ticket.held
+        # Counted by _drain when it let this one go.
+
+    def _overloaded(self, model: str, why: str, held: Held[Any]) -> ApiError:
+        self.metrics.child(self.metrics.refused, held.key, why).inc()
+        message = (
+            f"the engines for model `{model}` are full and the queue is over its bound"
+            if why == "shed"
+            else f"the engines for model `{model}` stayed full for {self.config.queue.max_wait:g}s"
+        )
+        return ApiError(
+            503,
+            message,
+            "service_unavailable_error",
+            param="model",
+            code="overloaded",
+            headers=[(b"retry-after", b"2")],
+        )
+
+    def _drain(self, gate: _Gate) -> None:
+        """Let held requests go, best first, while the engines take them."""
+        queue = gate.queue
+        if not len(queue):
+            return
+        at = now()
+        while len(queue) and not self.full(gate, at):
+            held = queue.pop()
+            if held is None:
+                break
+            gate.waiters.pop(id(held.item), None)
+            if held.item.done():
+                continue
+            gate.in_flight += 1
+            held.item.set_result(None)
+
+    def _tick(self) -> None:
+        """While anything is held, look again every 50 ms (engines' reports change)."""
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick_loop())
+
+    async def _tick_loop(self) -> None:
+        while any(len(g.queue) for g in self.gates.values()):
+            await asyncio.sleep(0.05)
+            for gate in self.gates.values():
+                self._drain(gate)
+
+    # ------------------------------------------------------------------ views
+
+    def queue_lengths(self) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        names = self.config.bands
+        for gate in self.gates.values():
+            for band, per_key in enumerate(gate.queue.lengths()):
+                for key, count in per_key.items():
+                    label = (names[band], key)
+                    out[label] = out.get(label, 0) + count
+        return out
+
+    def view(self) -> dict[str, Any]:
+        """For the admin endpoints view: held requests and waits, keys' limits now."""
+        at = now()
+        return {
+            "keys_version": self.keys_version,
+            "control_keys": len(self.by_prefix),
+            "shares_valid_for": round(max(0.0, self.shares_until - at), 3)
+            if self.shares_until > -math.inf
+            else None,
+            "queues": {
+                model: {
+                    "in_flight": gate.in_flight,
+                    "full": self.full(gate, at),
+                    "held": [
+                        {"priority": self.config.bands[b], "keys": per_key}
+                        for b, per_key in enumerate(gate.queue.lengths())
+                        if per_key
+                    ],
+                    "oldest_wait": round(
+                        max((at - since for _, since in gate.waiters.values()), default=0.0),
+                        3,
+                    ),
+                }
+                for model, gate in self.gates.items()
+            },
+            "keys": {
+                name: {
+                    "in_flight": ks.in_flight,
+                    "rpm": ks.limits.rpm or None,
+                    "tpm": ks.limits.tpm or None,
+                    "max_concurrent": ks.limits.max_concurrent or None,
+                    "budget_left": ks.budget_left if ks.limits.budget_tokens else None,
+                }
+                for name, ks in self.keys.items()
+            },
+        }
+
+    def take_usage(self) -> dict[str, _Usage]:
+        """Usage since the last call, per key; the counts start again."""
+        taken, self.usage = self.usage, {}
+        return taken
+
+    def in_flight(self, name: str) -> int:
+        ks = self.keys.get(name)
+        return ks.in_flight if ks is not None else 0
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ticker

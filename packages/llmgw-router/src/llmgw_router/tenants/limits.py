@@ -1,0 +1,255 @@
+"""Per-key limits as pure state: token buckets for requests and tokens per minute, a
+concurrency count, and a budget grant. No clock is read here: every call takes `now`.
+
+A bucket holds at most `capacity` (the per-minute limit, this router's share of it)
+and refills at capacity / 60 per second, as OpenAI's limits do. A request reserves
+one request and its estimated tokens at admission; the token reservation is
+corrected when the usage is known (the unused part goes back, an overrun is taken,
+and may leave the bucket below zero: later requests wait for it). Nothing is ever
+admitted that the bucket (or the budget grant, or the concurrency limit) cannot
+cover at that moment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "Bucket",
+    "KeyLimits",
+    "KeyState",
+    "Refusal",
+    "Reservation",
+    "reset_text",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """A key's limits; 0 means unlimited (budget: none)."""
+
+    rpm: float = 0.0
+    tpm: float = 0.0
+    max_concurrent: int = 0
+    budget_tokens: int = 0
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.rpm or self.tpm or self.max_concurrent or self.budget_tokens)
+
+    def scaled(self, fraction: float) -> KeyLimits:
+        """These limits times ``fraction`` (a router's or a worker's part); a limit that is
+        set never drops to 0 (unlimited): at least one request, one token, one at a time."""
+        return KeyLimits(
+            rpm=max(1.0, self.rpm * fraction) if self.rpm else 0.0,
+            tpm=max(1.0, self.tpm * fraction) if self.tpm else 0.0,
+            max_concurrent=(
+                max(1, math.floor(self.max_concurrent * fraction)) if self.max_concurrent else 0
+            ),
+            budget_tokens=self.budget_tokens,
+        )
+
+
+class Bucket:
+    """A token bucket: ``capacity`` at most, refilled at capacity / 60 per second."""
+
+    __slots__ = ("at", "capacity", "level")
+
+    def __init__(self, capacity: float, now: float) -> None:
+        self.capacity = capacity
+        self.level = capacity
+        self.at = now
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / 60.0
+
+    def refill(self, now: float) -> None:
+        if now > self.at:
+            self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+            self.at = now
+
+    def resize(self, capacity: float, now: float) -> None:
+        """A new limit (share): the level keeps what was used against the old one."""
+        self.refill(now)
+        used = self.capacity - self.level
+        self.capacity = capacity
+        self.level = min(capacity, capacity - used)
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` is available (after :meth:`refill`); inf if never."""
+        if amount <= self.level:
+            return 0.0
+        if amount > self.capacity or self.rate <= 0:
+            return math.inf
+        return (amount - self.level) / self.rate
+
+    def until_full(self) -> float:
+        return 0.0 if self.rate <= 0 else max(0.0, (self.capacity - self.level) / self.rate)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request was not admitted: the limit, a message, seconds until it may be."""
+
+    limit: str  # "rpm", "tpm", "concurrency", "budget", "too_large"
+    message: str
+    retry_after: float
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What one admitted request holds until it ends."""
+
+    tokens: int
+    budget: int
+    done: bool = False
+
+
+class KeyState:
+    """One key's buckets, in-flight count and budget grant at this router."""
+
+    __slots__ = (
+        "budget_left",
+        "budget_reserved",
+        "in_flight",
+        "limits",
+        "requests",
+        "tokens",
+    )
+
+    def __init__(self, limits: KeyLimits, now: float) -> None:
+        self.limits = limits
+        self.requests = Bucket(limits.rpm, now) if limits.rpm else None
+        self.tokens = Bucket(limits.tpm, now) if limits.tpm else None
+        self.in_flight = 0
+        # The budget: tokens this router may still reserve (its grant), and the tokens
+        # reserved by requests in flight.
+        self.budget_left = limits.budget_tokens
+        self.budget_reserved = 0
+
+    def set_limits(self, limits: KeyLimits, now: float) -> None:
+        """A new share (or new limits): buckets resized, usage against them kept."""
+        self.limits = limits
+        self.requests = _resized(self.requests, limits.rpm, now)
+        self.tokens = _resized(self.tokens, limits.tpm, now)
+
+    def grant(self, tokens: int) -> None:
+        """A new budget grant: what this router may reserve from now on, less what its
+        requests in flight hold already (the control plane has not seen those yet)."""
+        self.budget_left = max(0, tokens - self.budget_reserved)
+
+    def try_reserve(self, tokens: int, now: float) -> Reservation | Refusal:
+        """Admit a request estimated at ``tokens``: all limits at once, or a refusal."""
+        limits = self.limits
+        requests, bucket = self.requests, self.tokens
+        if requests is not None:
+            requests.refill(now)
+            wait = requests.wait_for(1.0)
+            if wait > 0:
+                return Refusal(
+                    "rpm",
+                    f"rate limit of {_fmt(requests.capacity)} requests per minute reached",
+                    wait,
+                )
+        if bucket is not None:
+            bucket.refill(now)
+            if tokens > bucket.capacity:
+                return Refusal(
+                    "too_large",
+                    f"this request needs about {tokens} tokens, more than the limit of "
+                    f"{_fmt(bucket.capacity)} tokens per minute",
+                    60.0,
+                )
+            wait = bucket.wait_for(tokens)
+            if wait > 0:
+                return Refusal(
+                    "tpm",
+                    f"rate limit of {_fmt(bucket.capacity)} tokens per minute reached "
+                    f"(this request needs about {tokens})",
+                    wait,
+                )
+        if limits.max_concurrent and self.in_flight >= limits.max_concurrent:
+            return Refusal(
+                "concurrency",
+                f"{limits.max_concurrent} concurrent requests at most; wait for one to end",
+                1.0,
+            )
+        budget = 0
+        if limits.budget_tokens:
+            if tokens > self.budget_left:
+                return Refusal(
+                    "budget",
+                    f"token budget exhausted (this request needs about {tokens} tokens)",
+                    60.0,
+                )
+            budget = tokens
+            self.budget_left -= tokens
+            self.budget_reserved += tokens
+        if requests is not None:
+            requests.level -= 1.0
+        if bucket is not None:
+            bucket.level -= tokens
+        self.in_flight += 1
+        return Reservation(tokens, budget)
+
+    def release(self, reservation: Reservation, used: int | None, now: float) -> None:
+        """A request ended having used ``used`` tokens (None: not known, the reservation
+        stands). The token bucket and the budget are corrected by the difference."""
+        if reservation.done:
+            return
+        reservation.done = True
+        self.in_flight -= 1
+        actual = reservation.tokens if used is None else used
+        bucket = self.tokens
+        if bucket is not None:
+            bucket.refill(now)
+            bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - actual)
+        if reservation.budget:
+            self.budget_reserved -= reservation.budget
+            # The budget grant gives back what was not used; an overrun is taken from it.
+            self.budget_left = max(0, self.budget_left + reservation.budget - actual)
+
+    def headers(self, now: float) -> list[tuple[bytes, bytes]]:
+        """OpenAI's x-ratelimit-* headers for the limits this key has."""
+        out: list[tuple[bytes, bytes]] = []
+        for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            out.append((b"x-ratelimit-limit-" + kind.encode(), b"%d" % int(bucket.capacity)))
+            out.append(
+                (b"x-ratelimit-remaining-" + kind.encode(), b"%d" % max(0, int(bucket.level)))
+            )
+            out.append((b"x-ratelimit-reset-" + kind.encode(), reset_text(bucket.until_full())))
+        return out
+
+
+def _resized(bucket: Bucket | None, capacity: float, now: float) -> Bucket | None:
+    if not capacity:
+        return None
+    if bucket is None:
+        return Bucket(capacity, now)
+    bucket.resize(capacity, now)
+    return bucket
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:g}"
+
+
+def reset_text(seconds: float) -> bytes:
+    """A duration as OpenAI writes its resets: "1s", "6m0s", "20ms", "1h2m3s"."""
+    if seconds <= 0:
+        return b"0s"
+    if seconds < 1:
+        return b"%dms" % max(1, math.ceil(seconds * 1000))
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return b"%dh%dm%ds" % (hours, minutes, secs)
+    if minutes:
+        return b"%dm%ds" % (minutes, secs)
+    return b"%ds" % secs

@@ -1,0 +1,314 @@
+"""Tenants' pure logic: token buckets and reservations (limits.py), the fair-share
+queue (fair.py), OpenAI's reset format, and the config's rules."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_proto.config import ConfigError, load
+
+from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys, validate
+from llmgw_router.tenants.fair import FairQueue
+from llmgw_router.tenants.gate import estimate_tokens, lookup_secret
+from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation, reset_text
+
+# ---------------------------------------------------------------------------- limits
+
+
+def test_rpm_refuses_past_the_limit_and_refills() -> None:
+    ks = KeyState(KeyLimits(rpm=3), now=0.0)
+    for _ in range(3):
+        assert isinstance(ks.try_reserve(0, 0.0), Reservation)
+    refused = ks.try_reserve(0, 0.0)
+    assert isinstance(refused, Refusal) and refused.limit == "rpm"
+    # One request comes back every 20 s (3 per minute).
+    assert refused.retry_after == pytest.approx(20.0)
+    assert isinstance(ks.try_reserve(0, 20.0), Reservation)
+
+
+def test_tokens_reserved_then_corrected_by_usage() -> None:
+    ks = KeyState(KeyLimits(tpm=1000), now=0.0)
+    got = ks.try_reserve(600, 0.0)
+    assert isinstance(got, Reservation)
+    assert isinstance(ks.try_reserve(600, 0.0), Refusal)
+    ks.release(got, 100, 0.0)  # used 100 of the 600 reserved: 500 back
+    assert ks.tokens is not None and ks.tokens.level == pytest.approx(900)
+    assert isinstance(ks.try_reserve(600, 0.0), Reservation)
+
+
+def test_request_larger_than_tpm_is_refused_for_good() -> None:
+    ks = KeyState(KeyLimits(tpm=100), now=0.0)
+    refused = ks.try_reserve(500, 0.0)
+    assert isinstance(refused, Refusal) and refused.limit == "too_large"
+
+
+def test_concurrency_and_budget() -> None:
+    ks = KeyState(KeyLimits(max_concurrent=1, budget_tokens=100), now=0.0)
+    ks.grant(100)
+    first = ks.try_reserve(60, 0.0)
+    assert isinstance(first, Reservation)
+    refused = ks.try_reserve(10, 0.0)
+    assert isinstance(refused, Refusal) and refused.limit == "concurrency"
+    ks.release(first, 50, 0.0)
+    assert ks.budget_left == 50
+    refused = ks.try_reserve(60, 0.0)
+    assert isinstance(refused, Refusal) and refused.limit == "budget"
+
+
+def test_headers_are_openais() -> None:
+    ks = KeyState(KeyLimits(rpm=60, tpm=6000), now=0.0)
+    ks.try_reserve(100, 0.0)
+    headers = dict(ks.headers(0.0))
+    assert headers[b"x-ratelimit-limit-requests"] == b"60"
+    assert headers[b"x-ratelimit-remaining-requests"] == b"59"
+    assert headers[b"x-ratelimit-reset-requests"] == b"1s"
+    assert headers[b"x-ratelimit-limit-tokens"] == b"6000"
+    assert headers[b"x-ratelimit-remaining-tokens"] == b"5900"
+    assert headers[b"x-ratelimit-reset-tokens"] == b"1s"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, b"0s"), (0.02, b"20ms"), (1, b"1s"), (1.2, b"2s"), (360, b"6m0s"), (3723, b"1h2m3s")],
+)
+def test_reset_text(seconds: float, text: bytes) -> None:
+    assert reset_text(seconds) == text
+
+
+_ops = st.lists(
+    st.tuples(
+        st.floats(min_value=0, max_value=30),  # time step
+        st.integers(min_value=0, max_value=400),  # tokens asked
+        st.one_of(st.none(), st.integers(min_value=0, max_value=400)),  # used (None: unknown)
+        st.booleans(),  # end the oldest request in flight
+    ),
+    max_size=80,
+)
+
+
+@given(
+    rpm=st.integers(min_value=1, max_value=50),
+    tpm=st.integers(min_value=100, max_value=5000),
+    conc=st.integers(min_value=0, max_value=5),
+    ops=_ops,
+)
+@settings(max_examples=200, deadline=None)
+def test_reservations_never_exceed_a_limit(
+    rpm: int, tpm: int, conc: int, ops: list[tuple[float, int, int | None, bool]]
+) -> None:
+    """Over any run, what was admitted up to time t is at most the bucket's capacity plus
+    its refill since the start, plus what was given back; in flight never above max_concurrent."""
+    ks = KeyState(KeyLimits(rpm=rpm, tpm=tpm, max_concurrent=conc), now=0.0)
+    t = 0.0
+    admitted_requests = 0
+    admitted_tokens = 0
+    refunded = 0
+    live: list[tuple[Reservation, int | None]] = []
+    for step, tokens, used, end in ops:
+        t += step
+        got = ks.try_reserve(tokens, t)
+        if isinstance(got, Reservation):
+            admitted_requests += 1
+            admitted_tokens += tokens
+            live.append((got, used))
+        assert admitted_requests <= rpm + t * rpm / 60 + 1e-6
+        assert admitted_tokens - refunded <= tpm + t * tpm / 60 + 1e-6
+        assert ks.in_flight == len(live)
+        if conc:
+            assert ks.in_flight <= conc
+        if end and live:
+            reservation, actual = live.pop(0)
+            ks.release(reservation, actual, t)
+            if actual is not None:
+                # An overrun is taken from the bucket: it only makes later admission
+                # stricter; what was given back is the capacity that came again.
+                refunded += max(0, reservation.tokens - actual)
+
+
+@given(
+    limits=st.builds(
+        KeyLimits,
+        rpm=st.floats(min_value=0, max_value=1e6),
+        tpm=st.floats(min_value=0, max_value=1e9),
+        max_concurrent=st.integers(min_value=0, max_value=1000),
+    ),
+    fraction=st.floats(min_value=1e-6, max_value=1),
+)
+def test_a_part_of_a_limit_is_never_unlimited(limits: KeyLimits, fraction: float) -> None:
+    part = limits.scaled(fraction)
+    for name in ("rpm", "tpm", "max_concurrent"):
+        whole, share = getattr(limits, name), getattr(part, name)
+        assert bool(whole) == bool(share)
+        assert share <= max(whole, 1)
+
+
+# ---------------------------------------------------------------------------- fair queue
+
+
+def test_flooding_key_waits_behind_itself() -> None:
+    q: FairQueue[str] = FairQueue(1)
+    for i in range(100):
+        q.push(f"a{i}", 0, "a")
+    q.push("b0", 0, "b")
+    order = [held.item for held in iter(q.pop, None)]
+    assert order.index("b0") <= 2
+
+
+def test_weights_share_in_proportion() -> None:
+    q: FairQueue[str] = FairQueue(1)
+    for i in range(300):
+        q.push(f"a{i}", 0, "a", weight=3)
+        q.push(f"b{i}", 0, "b", weight=1)
+    first = [q.pop() for _ in range(200)]
+    served_a = sum(1 for h in first if h is not None and h.key == "a")
+    assert 145 <= served_a <= 155  # 3 : 1
+
+
+def test_shed_takes_the_newest_of_the_lowest_band() -> None:
+    q: FairQueue[str] = FairQueue(3)
+    q.push("hi", 0, "k")
+    q.push("batch-old", 2, "k")
+    q.push("batch-new", 2, "k")
+    q.push("mid", 1, "k")
+    victim = q.shed()
+    assert victim is not None and victim.item == "batch-new"
+    assert [h.item for h in iter(q.pop, None)] == ["hi", "mid", "batch-old"]
+
+
+_queue_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("push"),
+            st.integers(min_value=0, max_value=2),
+            st.sampled_from("abcd"),
+            st.integers(min_value=1, max_value=5),
+        ),
+        st.tuples(st.just("pop"), st.just(0), st.just(""), st.just(0)),
+        st.tuples(st.just("remove"), st.integers(min_value=0, max_value=50), st.just(""), st.just(0)),
+    ),
+    max_size=200,
+)
+
+
+@given(ops=_queue_ops)
+@settings(max_examples=300, deadline=None)
+def test_bands_in_order_and_lengths_kept(ops: list[tuple[str, int, str, int]]) -> None:
+    """A pop never serves a band while a higher one holds anything; len and lengths()
+    always count exactly the live items."""
+    q: FairQueue[int] = FairQueue(3)
+    live: dict[int, tuple[int, str]] = {}
+    handles = []
+    n = 0
+    for op, band, key, weight in ops:
+        if op == "push":
+            handles.append(q.push(n, band, key, weight))
+            live[n] = (band, key)
+            n += 1
+        elif op == "pop":
+            held = q.pop()
+            if held is None:
+                assert not live
+                continue
+            assert all(b >= held.band for b, _ in live.values())
+            del live[held.item]
+        elif handles:
+            h = handles[band % len(handles)]
+            if q.remove(h):
+                del live[h.item]
+        assert len(q) == len(live)
+        counted: dict[tuple[int, str], int] = {}
+        for b, k in live.values():
+            counted[(b, k)] = counted.get((b, k), 0) + 1
+        per_band = q.lengths()
+        assert {(b, k): c for b, d in enumerate(per_band) for k, c in d.items()} == counted
+
+
+@given(
+    backlog=st.integers(min_value=0, max_value=200),
+    weights=st.tuples(st.integers(min_value=1, max_value=8), st.integers(min_value=1, max_value=8)),
+)
+def test_no_key_starves(backlog: int, weights: tuple[int, int]) -> None:
+    """However long another key's backlog, a newcomer is served within about one
+    request of the other key per its weight ratio: never after the backlog."""
+    wa, wb = weights
+    q: FairQueue[str] = FairQueue(1)
+    for i in range(backlog):
+        q.push(f"a{i}", 0, "a", wa)
+    # Some of the backlog served already, then b arrives.
+    for _ in range(backlog // 2):
+        q.pop()
+    q.push("b", 0, "b", wb)
+    position = 0
+    while True:
+        held = q.pop()
+        assert held is not None
+        if held.item == "b":
+            break
+        position += 1
+    assert position <= math.ceil(wa / wb) + 1
+
+
+# ---------------------------------------------------------------------------- parts
+
+
+def test_estimate_counts_prompt_and_completion_bound() -> None:
+    body = b'{"model": "m", "prompt": "' + b"x" * 400 + b'", "max_tokens": 50}'
+    assert estimate_tokens(body, 256) == len(body) // 4 + 50
+    body = b'{"model": "m", "max_completion_tokens": 7, "messages": []}'
+    assert estimate_tokens(body, 256) == len(body) // 4 + 7
+    assert estimate_tokens(b'{"model": "m"}', 256) == 14 // 4 + 256
+    assert estimate_tokens(b"not json", 16) == 2 + 16
+
+
+def test_control_key_found_by_prefix_and_hash() -> None:
+    secret = b"llmgw_3f9a1c2b_s3cr3t_with_underscores"
+    key = ApiKey(
+        b"",
+        "team-a",
+        frozenset(),
+        prefix="llmgw_3f9a1c2b",
+        sha256=hashlib.sha256(secret).hexdigest(),
+        local=False,
+    )
+    table = {key.prefix: key}
+    assert lookup_secret(table, secret) is key
+    assert lookup_secret(table, secret + b"x") is None
+    assert lookup_secret(table, b"llmgw_00000000_s3cr3t") is None
+    assert lookup_secret(table, b"sk-other") is None
+
+
+def _load(tmp_path: Path, text: str) -> RouterConfig:
+    path = tmp_path / "router.yaml"
+    path.write_text(text)
+    return load(path, RouterConfig)
+
+
+def test_config_keys_take_limits(tmp_path: Path) -> None:
+    cfg = _load(
+        tmp_path,
+        "api_keys:\n"
+        "  - {key: k1, name: team-a, rpm: 10, tpm: 1000, max_concurrent: 2,"
+        " priority: batch, weight: 3, budget_tokens: 5000, budget_period: day}\n",
+    )
+    (key,) = resolve_api_keys(validate(cfg, "router.yaml"), "router.yaml")
+    assert key.limits == KeyLimits(rpm=10, tpm=1000, max_concurrent=2, budget_tokens=5000)
+    assert (key.priority, key.weight, key.budget_period) == ("batch", 3, "day")
+
+
+def test_config_names_an_unknown_priority(tmp_path: Path) -> None:
+    cfg = _load(tmp_path, "api_keys:\n  - {key: k1, priority: urgent}\n")
+    with pytest.raises(ConfigError) as err:
+        resolve_api_keys(cfg, "router.yaml")
+    assert "$.api_keys[0].priority" in str(err.value) and "urgent" in str(err.value)
+
+
+def test_config_names_a_default_priority_not_in_bands(tmp_path: Path) -> None:
+    cfg = _load(tmp_path, "tenants: {bands: [hi, lo], default_priority: default}\n")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, "router.yaml")
+    assert "$.tenants.default_priority" in str(err.value)
