@@ -35,6 +35,10 @@ __all__ = (
     "LoadAdapter",
     "LoadReport",
     "LoadUpdate",
+    "LogsCancel",
+    "LogsChunk",
+    "LogsCredit",
+    "LogsRequest",
     "MultiNode",
     "NetworkInterface",
     "Register",
@@ -213,6 +217,13 @@ class AgentMessage(betterproto2.Message):
     Blocks the engines' prefix caches stored or evicted (engines that publish KV events).
     """
 
+    logs_chunk: "LogsChunk | None" = betterproto2.field(
+        40, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    An engine's output, for a LogsRequest (issue 29): one chunk per message.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "AgentMessage", AgentMessage)
 
@@ -363,6 +374,22 @@ class ControlMessage(betterproto2.Message):
 
     unload_adapter: "UnloadAdapter | None" = betterproto2.field(
         61, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+
+    logs_request: "LogsRequest | None" = betterproto2.field(
+        40, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+    """
+    An engine's output (llmgw-control logs, issue 29): start, more credit, cancel.
+    Not commands: no CommandResult; the agent answers with LogsChunk messages.
+    """
+
+    logs_credit: "LogsCredit | None" = betterproto2.field(
+        41, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
+    )
+
+    logs_cancel: "LogsCancel | None" = betterproto2.field(
+        42, betterproto2.TYPE_MESSAGE, optional=True, group="kind"
     )
 
 
@@ -896,6 +923,66 @@ class LoadUpdate(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "LoadUpdate", LoadUpdate)
+
+
+@dataclass(eq=False, repr=False)
+class LogsCancel(betterproto2.Message):
+    subscription_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("llmgw.v1", "LogsCancel", LogsCancel)
+
+
+@dataclass(eq=False, repr=False)
+class LogsChunk(betterproto2.Message):
+    """
+    Lines of an engine's output (at most a few hundred lines and 32 KiB each chunk).
+    `end`: nothing more comes for this subscription; `error` says why when it failed.
+    """
+
+    subscription_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    lines: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+
+    end: "bool" = betterproto2.field(3, betterproto2.TYPE_BOOL)
+
+    error: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("llmgw.v1", "LogsChunk", LogsChunk)
+
+
+@dataclass(eq=False, repr=False)
+class LogsCredit(betterproto2.Message):
+    subscription_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    chunks: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("llmgw.v1", "LogsCredit", LogsCredit)
+
+
+@dataclass(eq=False, repr=False)
+class LogsRequest(betterproto2.Message):
+    """
+    Send the output of the engine of one shard: the last `tail` lines, then (with
+    `follow`) what it writes next, until cancelled or the stream ends. The agent sends at
+    most `credit` chunks before it is given more (LogsCredit): a reader that does not
+    keep up slows the chunks down, never the stream's other messages.
+    """
+
+    subscription_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    shard_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    tail: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+
+    follow: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
+
+    credit: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("llmgw.v1", "LogsRequest", LogsRequest)
 
 
 @dataclass(eq=False, repr=False)
