@@ -59,6 +59,8 @@ class _Sent:
     adapter: str
     model: str
     at: float
+    # Answered ok: kept until a load report shows it done (so it is not sent twice).
+    answered: bool = False
 
 
 # (node id, command id, message) for the agents.
@@ -94,9 +96,13 @@ class LoraManager:
 
     def on_result(self, command_id: str, ok: bool, error: str) -> bool:
         """A CommandResult: True when it answered one of this manager's commands."""
-        sent = self._sent.pop(command_id, None)
-        if sent is None:
+        sent = self._sent.get(command_id)
+        if sent is None or sent.answered:
             return False
+        if ok:
+            sent.answered = True
+        else:
+            del self._sent[command_id]
         result = "ok" if ok else "error"
         self.commands.labels(sent.model, sent.kind, result).inc()
         key = (sent.kind, result)
@@ -128,13 +134,18 @@ class LoraManager:
     ) -> list[Action]:
         """Plan and send for every model with adapters; the actions sent."""
         for cid, s in list(self._sent.items()):
-            if now - s.at > expire:  # never answered: the agent's deadline counted it
+            found = held_by(s.endpoint_id)
+            held = found[0] if found is not None else frozenset()
+            seen = (s.adapter in held) == (s.kind == "load")
+            # Done once the engine's load report shows it; forgotten if it never does.
+            if (s.answered and seen) or now - s.at > expire:
                 del self._sent[cid]
         sent_all: list[Action] = []
-        for model in dict.fromkeys(a.model for a in catalog.adapters):
+        for model in dict.fromkeys(p.model for p in catalog.profiles if p.max_loras > 0):
             names = {a.name: a for a in catalog.adapters_of(model)}
             views: list[ReplicaView] = []
             info: dict[str, EndpointInfo] = {}
+            removed: list[Action] = []
             for ep in endpoints:
                 profile = catalog.get(ep.model, ep.profile)
                 if ep.model != model or profile is None or profile.max_loras <= 0:
@@ -144,7 +155,7 @@ class LoraManager:
                 loading = frozenset(
                     s.adapter
                     for s in self._sent.values()
-                    if s.endpoint_id == ep.id and s.kind == "load" and s.adapter not in held
+                    if s.endpoint_id == ep.id and s.kind == "load"
                 )
                 unloading = {
                     s.adapter
@@ -161,8 +172,12 @@ class LoraManager:
                     )
                 )
                 info[ep.id] = ep
+                # Adapters no longer in the catalog (a reload removed them) are unloaded.
+                removed += [
+                    Action("unload", ep.id, a) for a in sorted(held - unloading - set(names))
+                ]
             demand = {a: d.view(now) for a, d in self.demand.items() if a in names}
-            for action in plan(views, demand, hot_rate=self.hot_rate):
+            for action in [*removed, *plan(views, demand, hot_rate=self.hot_rate)]:
                 ep = info[action.replica]
                 command_id = f"{prefix}-{next(self._ids)}"
                 if action.kind == "load":

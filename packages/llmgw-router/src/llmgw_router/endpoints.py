@@ -126,6 +126,8 @@ class Endpoint:
     # cache in prefix blocks.
     max_age: float = load_max_age
     block_tokens: float = tokens_per_block
+    # The LoRA adapters its engine holds, from its load reports (llmgw_router.lora).
+    adapters: frozenset[str] = frozenset()
 
     @property
     def id(self) -> str:
@@ -340,7 +342,7 @@ class Endpoint:
 class EndpointSet:
     """All endpoints of one snapshot, indexed by served model name."""
 
-    __slots__ = ("_by_model", "by_id", "declared", "endpoints", "source", "version")
+    __slots__ = ("_by_model", "adapters", "by_id", "declared", "endpoints", "source", "version")
 
     def __init__(
         self,
@@ -349,8 +351,12 @@ class EndpointSet:
         version: int = 0,
         source: str = "",
         declared: Mapping[str, bool] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.endpoints: tuple[Endpoint, ...] = tuple(endpoints)
+        # LoRA adapters the control plane declares: adapter name -> its base model's
+        # served name (whose endpoints may hold it; llmgw_router.lora).
+        self.adapters: Mapping[str, str] = dict(adapters or {})
         self.version = version
         self.source = source
         # Served model names the control plane declares, with or without endpoints:
@@ -382,6 +388,7 @@ class EndpointSet:
         version: int,
         source: str,
         declared: Mapping[str, bool] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> EndpointSet:
         """The set for new ``specs``, keeping the live state of endpoints that did not change.
 
@@ -409,4 +416,6 @@ class EndpointSet:
                 kept.append(Endpoint(spec=spec))
         for gone in old.values():
             gone.removed = True
-        return EndpointSet(kept, version=version, source=source, declared=declared)
+        return EndpointSet(
+            kept, version=version, source=source, declared=declared, adapters=adapters
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 import structlog
 
@@ -26,6 +27,8 @@ log = structlog.get_logger(__name__)
 class Holds:
     def __init__(self, state: RouterState) -> None:
         self.state = state
+        # A LoRA adapter's endpoints are those holding it (set by the proxy's Router).
+        self.adapter_holders: Callable[[str], tuple[Endpoint, ...] | None] = lambda name: None
         self._changed: asyncio.Event | None = None
         state.on_endpoints.append(self._wake)
 
@@ -43,6 +46,7 @@ class Holds:
             param="model",
             code=code,
             headers=[(b"retry-after", str(max(1, math.ceil(retry_after))).encode())],
+            model=model,
         )
 
     async def wait(self, model: str) -> tuple[Endpoint, ...]:
@@ -62,12 +66,22 @@ class Holds:
         deadline = started + cfg.hold_timeout
         try:
             while True:
-                endpoints = state.endpoints.for_model(model)
+                adapter = model in state.endpoints.adapters
+                endpoints = (
+                    self.adapter_holders(model) if adapter else state.endpoints.for_model(model)
+                )
                 if endpoints:
                     log.info("held request released", model=model, waited=round(now() - started, 3))
                     return endpoints
                 remaining = deadline - now()
-                if remaining <= 0 or not state.endpoints.declared.get(model):
+                if adapter and remaining <= 0:
+                    raise self._busy(
+                        model,
+                        f"no replica loaded the adapter `{model}` within {cfg.hold_timeout:g}s",
+                        "adapter_not_loaded",
+                        min(30.0, cfg.hold_timeout),
+                    )
+                if not adapter and (remaining <= 0 or not state.endpoints.declared.get(model)):
                     raise self._busy(
                         model,
                         f"the model `{model}` is scaled to zero and no replica became ready "

@@ -17,6 +17,7 @@ from llmgw_router.balancing import Balancer, make_balancer
 from llmgw_router.budget import RetryBudget
 from llmgw_router.config import RouterConfig
 from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSet, EngineLoad
+from llmgw_router.lora import LoraBook
 from llmgw_router.metrics import Metrics
 from llmgw_router.outlier import (
     OutlierPolicy,
@@ -94,6 +95,8 @@ class RouterState:
         # Scale to zero: requests held per model, and who tells the control plane.
         self.held: dict[str, int] = {}
         self.on_demand: list[Callable[[str], None]] = []
+        # LoRA adapters' requests, counted for demand reports (llmgw_router.lora).
+        self.lora = LoraBook()
         # Tenants (tenants.gate.Tenancy), set by the proxy: the admin view reads it.
         self.tenants: Any = None
 

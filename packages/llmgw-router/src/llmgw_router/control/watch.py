@@ -51,6 +51,7 @@ from llmgw_proto.v1 import EndpointLoad as WireLoad
 
 from llmgw_router.config import ControlConfig
 from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSpec, EngineLoad
+from llmgw_router.lora import apply_adapters
 from llmgw_router.state import RouterState, now
 
 if TYPE_CHECKING:
@@ -213,6 +214,7 @@ class EndpointWatcher:
         self._next = 0
         self._demand = asyncio.Event()
         state.on_demand.append(lambda model: self._demand.set())
+        state.lora.wake = self._demand.set
         # Keys and shares (control/keys.py), on the same channel; None: not asked for.
         self.keys: KeysClient | None = None
 
@@ -234,10 +236,20 @@ class EndpointWatcher:
         for model in snapshot.models:
             for name in model.served_model_names or [model.name]:
                 declared[name] = declared.get(name, False) or model.scale_to_zero
+        # LoRA adapters: name -> the base model's (first) served name.
+        adapters = {
+            adapter: (model.served_model_names or [model.name])[0]
+            for model in snapshot.models
+            for adapter in model.adapters
+        }
         # Read before successor(): it updates a kept endpoint's spec in place.
         before = {ep.id: ep.generation for ep in current.endpoints}
         new = current.successor(
-            [*self.static, *specs], version=snapshot.version, source="control", declared=declared
+            [*self.static, *specs],
+            version=snapshot.version,
+            source="control",
+            declared=declared,
+            adapters=adapters,
         )
         kept = {ep.id: ep.generation for ep in new.endpoints}
         for ident, generation in before.items():
@@ -403,6 +415,10 @@ class EndpointWatcher:
             ((load.endpoint_id, load_from_wire(load, received)) for load in update.loads),
             update.full,
         )
+        by_id = self.state.endpoints.by_id
+        if apply_adapters(by_id, ((w.endpoint_id, w.adapters) for w in update.loads), update.full):
+            for callback in self.state.on_endpoints:
+                callback()  # held adapter requests look for a holder again
         if update.caches:
             self.state.apply_caches(
                 (cache.endpoint_id, cache_from_wire(cache)) for cache in update.caches
@@ -412,10 +428,13 @@ class EndpointWatcher:
         """While requests are held, say so: at once, then every `hold.demand_interval`."""
         interval = self.state.config.hold.demand_interval
         while True:
-            if not self.state.held:
+            if not self.state.held and not self.state.lora.requests:
                 self._demand.clear()
                 await self._demand.wait()
-            for model, held in list(self.state.held.items()):
+            # Adapters' requests since the last report go with their held counts.
+            requests = self.state.lora.take()
+            wanted = {**dict.fromkeys(requests, 0), **self.state.held}
+            for model, held in wanted.items():
                 try:
                     async with channel.request(
                         _REPORT_DEMAND,
@@ -425,7 +444,12 @@ class EndpointWatcher:
                         timeout=5.0,
                     ) as stream:
                         await stream.send_message(
-                            DemandRequest(router_id=self.router_id, model=model, held=held),
+                            DemandRequest(
+                                router_id=self.router_id,
+                                model=model,
+                                held=held,
+                                requests=requests.get(model, 0),
+                            ),
                             end=True,
                         )
                         reply = await stream.recv_message()

@@ -18,6 +18,7 @@ import structlog
 from llmgw_router.balancing.prefix import prefix_blocks, prompt_text
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError
+from llmgw_router.lora import keyed_prompt
 from llmgw_router.proxy.context import Headers, RequestContext
 from llmgw_router.proxy.parse import RequestHead, RequestHeadWithPrompt
 from llmgw_router.retry import retry_tiers
@@ -78,6 +79,9 @@ class Chooser:
                 if tokenizer is not None:
                     return tokenizer
                 text = prompt_text(bytes(prompt), chat=bool(head.messages))
+                if ctx.model in self.state.endpoints.adapters:
+                    # A prefix cached under one adapter is not cached under another.
+                    text = keyed_prompt(ctx.model, text)
                 ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
         return None
 

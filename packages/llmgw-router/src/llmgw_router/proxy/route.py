@@ -13,6 +13,7 @@ from llmgw_router.config import ApiKey, Deadlines
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError
 from llmgw_router.hold import Holds
+from llmgw_router.lora import holders
 from llmgw_router.proxy.context import Headers, RequestContext
 from llmgw_router.state import RouterState, now
 
@@ -31,6 +32,7 @@ class Router:
     def __init__(self, state: RouterState) -> None:
         self.state = state
         self.holds = Holds(state)
+        self.holds.adapter_holders = self.adapter_holders
         self._deadlines_by_model: dict[str, Deadlines] = {}
 
     def context(
@@ -56,11 +58,33 @@ class Router:
             )
         state = self.state
         endpoints = state.endpoints.for_model(model)
+        if endpoints is None and model in state.endpoints.adapters:
+            # A LoRA adapter: the replicas of its base model that hold it (llmgw_router.lora).
+            state.lora.count(model)
+            endpoints = self.adapter_holders(model)
+            if endpoints is None and not state.config.hold.enabled:
+                raise ApiError(
+                    503,
+                    f"no replica holds the adapter `{model}` right now",
+                    "service_unavailable_error",
+                    param="model",
+                    code="adapter_not_loaded",
+                    headers=[(b"retry-after", b"5")],
+                )
+            if endpoints is None:
+                return None
         if endpoints is None:
             if state.endpoints.declared.get(model) and state.config.hold.enabled:
                 return None
             raise self._no_endpoints(model)
         return self.context_over(path, headers, body, model, endpoints, started)
+
+    def adapter_holders(self, adapter: str) -> tuple[Endpoint, ...] | None:
+        """The endpoints holding a LoRA adapter (None: none does, or not an adapter)."""
+        endpoints = self.state.endpoints
+        base = endpoints.adapters.get(adapter)
+        found = holders(adapter, endpoints.for_model(base) or ()) if base is not None else ()
+        return found or None
 
     async def wait_for(self, model: str) -> tuple[Endpoint, ...]:
         """Scale to zero: the first endpoint of ``model`` (or 503 past the timeout/bound)."""
@@ -119,6 +143,7 @@ class Router:
                 param="model",
                 code="no_usable_endpoint",
                 headers=[(b"retry-after", b"5")],
+                model=model,
             )
         return ApiError(
             404, f"The model `{model}` does not exist", param="model", code="model_not_found"

@@ -1,0 +1,102 @@
+"""Issue 30: LoRA adapters, loaded where requests want them and routed to where they are.
+
+Real control plane, agent, simulated vLLM engines (runtime LoRA as vLLM serves it) and
+router; the official openai client. Two replicas of one base model that each hold one
+adapter at once, three adapters. The router lists the adapters with their base model as
+parent; a request for an adapter no engine holds is held, the control plane loads it on
+a replica, and the request is answered; later requests go to the holder (a replica
+without it would answer 404, as vLLM does); a third adapter on full engines unloads the
+least recently used one.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import openai
+from llmgw_testkit import wait_for
+from llmgw_testkit.cluster import Cluster, vllm_profile
+
+ADAPTERS = ["sql", "chat", "poem"]
+
+
+def _lora(cluster: Cluster) -> dict[str, Any]:
+    status: dict[str, Any] = cluster.status()["lora"]
+    return status
+
+
+def _holders(cluster: Cluster, adapter: str) -> list[str]:
+    holders: list[str] = _lora(cluster)["adapters"][adapter]["holders"]
+    return holders
+
+
+def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(cluster: Cluster) -> None:
+    profile = vllm_profile(
+        replicas=2,
+        lora={"max_loras": 1, "max_rank": 16},
+        env={"LLMGW_SIM_LORA_LOAD_TIME": "0.2"},
+    )
+    model = {
+        "name": "base",
+        "profiles": {"default": profile},
+        "adapters": [{"name": a, "source": f"/loras/{a}"} for a in ADAPTERS],
+    }
+    cluster.start_control([model])
+    cluster.start_agent("gpu-a", gpus=2)
+    cluster.start_router(hold={"hold_timeout": "60s", "demand_interval": "200ms"})
+    cluster.wait_replicas("base", 2, timeout=90)
+    cluster.wait_router_models("base", *ADAPTERS)
+
+    # /v1/models: each adapter with its base model as parent.
+    with urllib.request.urlopen(f"{cluster.router_url}/v1/models", timeout=10) as r:
+        listed = {m["id"]: m for m in json.loads(r.read())["data"]}
+    assert {a: listed[a]["parent"] for a in ADAPTERS} == dict.fromkeys(ADAPTERS, "base")
+
+    client = openai.OpenAI(
+        base_url=f"{cluster.router_url}/v1", api_key="x", max_retries=0, timeout=90
+    )
+
+    def ask(adapter: str) -> str:
+        out = client.completions.create(model=adapter, prompt="hello", max_tokens=3)
+        assert out.model == adapter
+        return out.choices[0].text
+
+    # No engine holds it: held at the router, loaded by the control plane, answered.
+    assert _holders(cluster, "sql") == []
+    assert ask("sql")
+    wait_for(lambda: _holders(cluster, "sql"), timeout=30, what="sql held by a replica")
+    (sql_holder,) = _holders(cluster, "sql")
+
+    # Routed to the holder: every request is answered (the other replica would say 404),
+    # and nothing more is loaded for them.
+    for _ in range(8):
+        assert ask("sql")
+    assert _lora(cluster)["loads"] == 1
+    assert _holders(cluster, "sql") == [sql_holder]
+
+    # A second adapter goes to the replica with a free slot.
+    assert ask("chat")
+    wait_for(lambda: _holders(cluster, "chat"), timeout=30, what="chat held")
+    (chat_holder,) = _holders(cluster, "chat")
+    assert chat_holder != sql_holder
+
+    # A third, with both engines full: the least recently used (sql) is unloaded for it.
+    assert ask("poem")
+    wait_for(
+        lambda: _holders(cluster, "poem") and not _holders(cluster, "sql"),
+        timeout=30,
+        what="poem loaded where sql was unloaded",
+    )
+    assert _holders(cluster, "poem") == [sql_holder]
+    assert _holders(cluster, "chat") == [chat_holder]
+    status = _lora(cluster)
+    assert status["loads"] == 3
+    assert status["unloads"] == 1
+    assert status["load_failures"] == 0
+    metrics = cluster.metrics()
+    assert (
+        'llmgw_control_adapter_commands_total{kind="unload",model="base",result="ok"} 1.0'
+        in metrics
+    )
