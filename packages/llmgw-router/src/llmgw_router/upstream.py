@@ -395,6 +395,7 @@ class Pool:
         connect_timeout: float,
         deadline: float | None = None,
         api_key: str = "",
+        method: str = "POST",
     ) -> Response:
         """Send the request and wait for the response head (until ``deadline``, loop clock).
 
@@ -402,7 +403,12 @@ class Pool:
         Authorization among ``headers`` (the client's own key) never reaches the engine.
         """
         host = self._hosts.get(base_url) or self._host(base_url)
-        parts = [b"POST ", path.encode(), host.request_line_tail, b"%d\r\n" % len(body)]
+        parts = [
+            b"POST " if method == "POST" else method.encode("ascii") + b" ",
+            path.encode(),
+            host.request_line_tail,
+            b"%d\r\n" % len(body),
+        ]
         for name, value in headers:
             if name.lower() == b"authorization":
                 continue

@@ -16,6 +16,7 @@ from llmgw_sim.generation import STALL_HEADER, GenerationRoutes
 from llmgw_sim.httpserver import Request, Response, Stream
 from llmgw_sim.routes_common import CommonRoutes
 from llmgw_sim.routes_engine import LlamaRoutes, SglangRoutes, VllmRoutes
+from llmgw_sim.routes_more import MoreRoutes
 from llmgw_sim.script import HANG, Script, ScriptError
 
 __all__ = [
@@ -37,6 +38,7 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
     vllm = VllmRoutes(engine)
     sglang = SglangRoutes(engine)
     llama = LlamaRoutes(engine)
+    more = MoreRoutes(engine)
     get: dict[str, Route] = {"/health": common.health}
     post: dict[str, Route] = {}
     if engine.kind == "sglang":
@@ -68,6 +70,10 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
             post["/chat/completions"] = gen.chat
             post["/completions"] = gen.completions
             post["/embeddings"] = common.embeddings
+        # Responses, messages, rerank, score, audio, ... and /openapi.json (routes_more).
+        more_get, more_post = more.table()
+        get.update(more_get)
+        post.update(more_post)
     if engine.knobs.script_routes:
         _add_script_routes(engine, get, post, health_only=health_only)
     routes = {"GET": get, "HEAD": get, "POST": post}
@@ -77,6 +83,8 @@ def build_app(engine: Engine, *, health_only: bool = False) -> Route:
     async def handle(request: Request) -> Response | Stream:
         table = routes.get(request.method)
         route = table.get(request.path) if table is not None else None
+        if route is None and not health_only:
+            route = more.stored_route(request)
         if route is not None:
             result: Response | Stream = await route(request)
             return result

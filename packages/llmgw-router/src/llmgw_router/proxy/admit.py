@@ -14,8 +14,8 @@ import msgspec
 
 from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
-from llmgw_router.lora import adapter_entries
 from llmgw_router.proxy.context import Headers
+from llmgw_router.proxy.routes import methods_for
 from llmgw_router.state import RouterState, now
 from llmgw_router.tenants.gate import Tenancy, lookup_secret
 
@@ -60,7 +60,15 @@ class Admission:
                     405, f"{method} is not allowed on {path}; use GET", code="method_not_allowed"
                 )
         else:
-            raise ApiError(404, f"no route {method} {path}", code="not_found")
+            methods = methods_for(path)
+            if methods is None:
+                raise ApiError(404, f"no route {method} {path}", code="not_found")
+            if method not in methods:
+                raise ApiError(
+                    405,
+                    f"{method} is not allowed on {path}; use {' or '.join(methods)}",
+                    code="method_not_allowed",
+                )
         return self.authorize(headers)
 
     def authorize(self, headers: Headers) -> ApiKey | None:
@@ -114,10 +122,4 @@ class Admission:
                 data.append(
                     {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
                 )
-        # LoRA adapters, each with its base model as parent (as vLLM lists them).
-        data += adapter_entries(
-            endpoints.adapters,
-            (lambda name: True) if api_key is None else api_key.allows,
-            created,
-        )
         return msgspec.json.encode({"object": "list", "data": data})

@@ -32,13 +32,15 @@ import structlog
 
 from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
-from llmgw_router.proxy.admit import MODELS_PATH, Admission, too_large
+from llmgw_router.proxy.admit import MODELS_PATH, PROXIED_PATHS, Admission, too_large
 from llmgw_router.proxy.asgi import Receive, Scope, Send, serve_asgi
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Headers, Incoming, Outcome, Reply, RequestContext, respond
 from llmgw_router.proxy.exchange import Exchange
 from llmgw_router.proxy.parse import RequestHeadWithPrompt, parse_head
+from llmgw_router.proxy.prepare import pin, prepare
 from llmgw_router.proxy.route import Router
+from llmgw_router.proxy.routes import error_body
 from llmgw_router.state import RouterState, now
 from llmgw_router.tenants.gate import Tenancy
 from llmgw_router.tenants.reply import WithHeaders
@@ -95,11 +97,13 @@ class ProxyApp:
                 admission.check_draining()
                 if request.too_large:
                     raise too_large(self.state.config.max_body_bytes, request.declared_length)
-                ctx = await self.context(request.path, request.headers, request.content, api_key)
+                ctx = await self.context(
+                    request.path, request.headers, request.content, api_key, request.method
+                )
                 await self.exchange(ctx, request, outcome)
         except ApiError as err:
             outcome.error_status = err.status
-            await respond(request, err.status, err.body(), err.headers)
+            await respond(request, err.status, error_body(request.path, err), err.headers)
         except asyncio.CancelledError:
             # The client went away while the request waited (held, say): nothing to answer.
             if not request.gone or request.task is None:
@@ -112,18 +116,33 @@ class ProxyApp:
         await serve_asgi(self, scope, receive, send)
 
     async def context(
-        self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None
+        self,
+        path: str,
+        headers: Headers,
+        body: bytes,
+        api_key: ApiKey | None,
+        method: str = "POST",
     ) -> RequestContext:
         """parse → route → the balancer's keys: the request's context, or an ApiError.
         Only a held request or a prompt to tokenize waits here."""
         started = now()
-        head = parse_head(body, self._with_prompt)
+        prepared = None
+        if path in PROXIED_PATHS:
+            head = parse_head(body, self._with_prompt)
+        else:
+            # The routes of routes.py: responses, messages, rerank, audio, ...
+            prepared = prepare(method, path, headers, body, self.state, self._with_prompt)
+            if prepared is None:
+                raise ApiError(404, f"no route {method} {path}", code="not_found")
+            head, path, body = prepared.head, prepared.path, prepared.body
         model = head.model
         router = self.router
         ctx = router.context(path, headers, body, model, api_key, started)
         if ctx is None:
             endpoints = await router.wait_for(model)
             ctx = router.context_over(path, headers, body, model, endpoints, started)
+        if prepared is not None:
+            pin(ctx, prepared, self.state)
         tokenizer = self.chooser.read_keys(ctx, headers, head)
         if tokenizer is not None:
             assert isinstance(head, RequestHeadWithPrompt)

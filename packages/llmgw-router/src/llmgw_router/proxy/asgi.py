@@ -16,6 +16,7 @@ from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
 from llmgw_router.proxy.admit import MODELS_PATH, Admission, too_large
 from llmgw_router.proxy.context import Headers, Outcome, Reply, RequestContext, respond
+from llmgw_router.proxy.routes import error_body
 from llmgw_router.state import RouterState
 
 __all__ = ["Receive", "Scope", "Send", "Stages", "serve_asgi"]
@@ -33,7 +34,12 @@ class Stages(Protocol):
     admission: Admission
 
     async def context(
-        self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None
+        self,
+        path: str,
+        headers: Headers,
+        body: bytes,
+        api_key: ApiKey | None,
+        method: str = "POST",
     ) -> RequestContext: ...
 
     async def exchange(self, ctx: RequestContext, reply: Reply, outcome: Outcome) -> None: ...
@@ -74,7 +80,7 @@ async def serve_asgi(app: Stages, scope: Scope, receive: Receive, send: Send) ->
             await _route(app, scope, receive, reply, outcome)
         except ApiError as err:
             outcome.error_status = err.status
-            await respond(reply, err.status, err.body(), err.headers)
+            await respond(reply, err.status, error_body(scope["path"], err), err.headers)
         finally:
             app.count(outcome)
     elif kind == "lifespan":
@@ -104,7 +110,7 @@ async def _route(
         body = await _read_body(app.state.config.max_body_bytes, headers, receive)
     except _ClientGone:
         return
-    ctx = await app.context(path, headers, body, api_key)
+    ctx = await app.context(path, headers, body, api_key, scope["method"])
     watcher = asyncio.create_task(_watch_client(receive, reply))
     try:
         await app.exchange(ctx, reply, outcome)

@@ -4,13 +4,17 @@ answer goes, and what its one exit counts."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmgw_router.config import ApiKey, Deadlines
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError
 from llmgw_router.tokens import PromptBlocks
+
+if TYPE_CHECKING:
+    from llmgw_router.upstream import Response
 
 __all__ = [
     "Headers",
@@ -92,6 +96,10 @@ class RequestContext:
     # (prompt, completion tokens) once the relay read it.
     tenant: Any = None
     usage: tuple[int, int] | None = None
+    # The engine's method (GET/DELETE of a stored response), and what the engine's
+    # response passes through on its way to the client (routes.py: response ids).
+    method: str = "POST"
+    wrap: Callable[[Response, Endpoint], Response] | None = None
 
 
 class Outcome:

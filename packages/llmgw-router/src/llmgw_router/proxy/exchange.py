@@ -227,7 +227,10 @@ class Exchange:
                     connect_timeout=deadlines.connect,
                     deadline=first_byte_by,
                     api_key=ep.spec.api_key,
+                    method=ctx.method,
                 )
+                if ctx.wrap is not None:
+                    response = ctx.wrap(response, ep)
                 status = response.status
                 if status >= 500 or status == 429:
                     payload = await response.read(first_byte_by)
