@@ -22,7 +22,7 @@ from llmgw_proto.grpc_limits import log_too_large
 from llmgw_proto.text import visible, visible_data
 from llmgw_proto.tls import CertReloader, server_context
 
-from llmgw_control import __version__, operate, opscli
+from llmgw_control import __version__, keys_admin, keys_cli, operate, opscli
 from llmgw_control.admin import AdminServer
 from llmgw_control.auth import TokenError
 from llmgw_control.config import (
@@ -47,6 +47,10 @@ DEFAULT_ADMIN = "http://127.0.0.1:9091"
 @click.version_option(__version__, prog_name="llmgw-control")
 def main() -> None:
     """llmgw-control: decides what runs where, and keeps it so."""
+
+
+main.add_command(keys_cli.keys)
+main.add_command(keys_cli.usage)
 
 
 def _load(path: Path) -> Loaded:
@@ -89,6 +93,7 @@ def serve(config_path: Path, insecure: bool) -> None:
 async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     controller = Controller(loaded)
     leading = Leading(controller, loaded.config, config_path)
+    tenants = keys_admin.tenants_for(controller, leading)
     try:
         await leading.open()
     except BaseException:
@@ -118,7 +123,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         controller.metrics.refusals.labels(stream, "too large").inc()
 
     server = GatedServer(
-        leading.services([controller.agents, controller.publisher]),
+        leading.services([controller.agents, controller.publisher, tenants]),
         ssl_context=ssl,
         on_refused=refused,
         max_message=config.max_message_bytes,
@@ -127,6 +132,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     host, port = split_hostport(config.listen)
     await server.start_gated(host, port)
     admin = AdminServer(controller, controller.metrics.registry, insecure=ssl is None)
+    keys_admin.serve_on(admin, tenants)
     admin_host, admin_port = split_hostport(config.admin_listen)
     try:
         # The operator's verbs and engine logs, behind the admin credential (issue 29).

@@ -3,11 +3,12 @@
 - ``GET /v1/keys``: every key with its limits, usage this period and last use;
 - ``POST /v1/keys`` ``{"name": ..., settings}``: a new key; the answer holds its
   secret, the only time it is shown (201);
-- ``PATCH /v1/keys/NAME`` ``{settings}``: change a key's settings;
+- ``POST /v1/keys/NAME`` (or ``PATCH``) ``{settings}``: change a key's settings;
 - ``POST /v1/keys/NAME/revoke``: revoke a key (routers refuse it at once);
 - ``GET /v1/usage?since=SECONDS[&key=NAME]``: each key's counts since then.
 
-A change is answered once the store holds it. Bad input is a 400 naming the flag;
+Changes need the admin credential (:mod:`llmgw_control.auth`, checked by the admin
+server). A change is answered once the store holds it. Bad input is a 400 naming the flag;
 an unknown key a 404; a name taken or a revoked key a 409; a standby answers 503.
 """
 
@@ -67,13 +68,13 @@ class KeysApi:
                 return _error(503, f"key {record.name!r} not stored in time; see keys list")
             return json_answer(201, {"key": record.limits(), "secret": secret})
         name, _, action = rest.partition("/")
-        if method == "PATCH" and not action:
+        if method in ("PATCH", "POST") and not action:
             record = t.update(name, _fields(body))
         elif method == "POST" and action == "revoke":
             record = t.revoke(name)
         else:
             return _error(
-                405, f"{method} {path}: use PATCH {_PREFIX}/NAME or POST {_PREFIX}/NAME/revoke"
+                405, f"{method} {path}: use POST {_PREFIX}/NAME or POST {_PREFIX}/NAME/revoke"
             )
         if not await t.stored():
             return _error(503, f"change to key {name!r} not stored in time; see keys list")

@@ -1,16 +1,16 @@
 """``llmgw-control keys create|list|update|revoke`` and ``llmgw-control usage``.
 
-Each talks to the admin API (:mod:`llmgw_control.keys_admin`); settings are checked
-here first (the same checks the control plane makes), so a typo is named at once.
+Each talks to the admin API (:mod:`llmgw_control.keys_admin`); a change carries the
+admin credential as the operator's verbs do (:func:`llmgw_control.opscli.connection`:
+``--token``/``LLMGW_ADMIN_TOKEN``, ``--token-file``, or an admin certificate). Settings
+are checked here first (the same checks the control plane makes), so a typo is named
+at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 import click
@@ -18,44 +18,29 @@ from llmgw_proto.cli import fail
 from llmgw_proto.text import visible, visible_data
 
 from llmgw_control import keys as keys_mod
+from llmgw_control.opscli import DEFAULT_ADMIN, Client, connection
 from llmgw_control.usage import parse_since
 
 __all__ = ["keys", "usage"]
 
-DEFAULT_ADMIN = "http://127.0.0.1:9091"
 
-admin_option = click.option(
-    "--admin",
-    default=DEFAULT_ADMIN,
-    show_default=True,
-    help="Base URL of the control plane's admin API.",
-)
-
-
-def _call(admin: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """The admin API's JSON answer; a refusal ends the command with its message."""
-    url = admin.rstrip("/") + path
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)  # noqa: S310 - admin URL
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - admin URL
-            return visible_data(json.loads(resp.read()))
-    except urllib.error.HTTPError as err:
-        text = err.read().decode(errors="replace")
-        message = text
-        with contextlib.suppress(ValueError, AttributeError):
-            message = str(json.loads(text).get("error", text))
-        fail(visible(message), code=2 if err.code == 400 else 1)
-    except (urllib.error.URLError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        fail(visible(f"cannot reach the admin API at {url}: {reason}"), code=1)
+def _call(kw: dict[str, Any], path: str, body: dict[str, Any] | None = None) -> Any:
+    """The admin API's JSON answer (POST with a body, else GET), with the admin credential;
+    a refusal ends the command with its message (exit 2 for bad input, else 1)."""
+    client = Client(
+        kw["admin"], kw.get("token", ""), kw.get("token_file"), kw.get("cert"),
+        kw.get("key"), kw.get("ca"),
+    )  # fmt: skip
+    code, data = client.call(path, body)
+    if code not in (200, 201):
+        message = data.get("error", data) if isinstance(data, dict) else data
+        fail(visible(str(message)), code=2 if code == 400 else 1)
+    return visible_data(data)
 
 
-def _settings(**given: Any) -> dict[str, Any]:
+def _settings(given: dict[str, Any]) -> dict[str, Any]:
     """The settings given on the command line, checked (exit 2 naming the flag)."""
-    fields = {k: v for k, v in given.items() if v is not None}
+    fields = {k: v for k, v in given.items() if k in keys_mod.FLAGS and v is not None}
     try:
         keys_mod.check_fields(fields)
     except keys_mod.KeyInputError as err:
@@ -76,7 +61,7 @@ def _limit_options(f: Any) -> Any:
     ]
     for option in reversed(options):
         f = option(f)
-    return admin_option(f)
+    return connection(f)
 
 
 @click.group()
@@ -94,11 +79,11 @@ def _check_name(name: str) -> None:
 @keys.command("create")
 @click.argument("name")
 @_limit_options
-def create(name: str, admin: str, **settings: Any) -> None:
+def create(name: str, **kw: Any) -> None:
     """Make key NAME; its secret is printed once, on the last line."""
     _check_name(name)
-    fields = _settings(**settings)
-    got = _call(admin, "POST", "/v1/keys", {"name": name, **fields})
+    fields = _settings(kw)
+    got = _call(kw, "/v1/keys", {"name": name, **fields})
     key = got["key"]
     click.echo(f"key {key['name']} created, prefix {key['prefix']}: {_limits(key)}")
     click.echo("the secret below is shown only now; clients send it as 'Authorization: Bearer':")
@@ -108,33 +93,33 @@ def create(name: str, admin: str, **settings: Any) -> None:
 @keys.command("update")
 @click.argument("name")
 @_limit_options
-def update(name: str, admin: str, **settings: Any) -> None:
+def update(name: str, **kw: Any) -> None:
     """Change key NAME's settings (those given; the rest stay)."""
     _check_name(name)
-    fields = _settings(**settings)
+    fields = _settings(kw)
     if not fields:
         fail("nothing to change: give at least one setting (see --help)")
-    got = _call(admin, "PATCH", "/v1/keys/" + urllib.parse.quote(name, safe=""), fields)
+    got = _call(kw, "/v1/keys/" + urllib.parse.quote(name, safe=""), fields)
     key = got["key"]
     click.echo(f"key {key['name']} updated: {_limits(key)}")
 
 
 @keys.command("revoke")
 @click.argument("name")
-@admin_option
-def revoke(name: str, admin: str) -> None:
+@connection
+def revoke(name: str, **kw: Any) -> None:
     """Revoke key NAME: every router refuses it within seconds."""
     _check_name(name)
-    _call(admin, "POST", "/v1/keys/" + urllib.parse.quote(name, safe="") + "/revoke", {})
+    _call(kw, "/v1/keys/" + urllib.parse.quote(name, safe="") + "/revoke", {})
     click.echo(f"key {name} revoked")
 
 
 @keys.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
-@admin_option
-def list_keys(as_json: bool, admin: str) -> None:
+@connection
+def list_keys(as_json: bool, **kw: Any) -> None:
     """Every key: prefix, limits, usage this period, last use."""
-    got = _call(admin, "GET", "/v1/keys")
+    got = _call(kw, "/v1/keys")
     if as_json:
         click.echo(json.dumps(got, indent=2))
         return
@@ -158,7 +143,13 @@ def list_keys(as_json: bool, admin: str) -> None:
 @click.option("--key", "key_name", help="Only this key.")
 @click.option("--since", default="24h", show_default=True, help="e.g. 30m, 2h, 7d, 1d12h.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
-@admin_option
+@click.option(
+    "--admin",
+    envvar="LLMGW_ADMIN",
+    default=DEFAULT_ADMIN,
+    show_default=True,
+    help="The control plane's admin API (URL or host:port; env LLMGW_ADMIN).",
+)
 def usage(key_name: str | None, since: str, as_json: bool, admin: str) -> None:
     """Requests, tokens, errors, refusals and held time per key, counted by the hour."""
     try:
@@ -169,7 +160,7 @@ def usage(key_name: str | None, since: str, as_json: bool, admin: str) -> None:
     if key_name is not None:
         _check_name(key_name)
         query["key"] = key_name
-    got = _call(admin, "GET", "/v1/usage?" + urllib.parse.urlencode(query))
+    got = _call({"admin": admin}, "/v1/usage?" + urllib.parse.urlencode(query))
     if as_json:
         click.echo(json.dumps(got, indent=2))
         return
