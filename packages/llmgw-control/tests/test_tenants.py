@@ -198,3 +198,22 @@ def test_any_since_is_parsed_or_refused(text: str) -> None:
         assert str(err).startswith("--since:")  # noqa: PT017 - any text, either way
         return
     assert seconds > 0
+
+
+def test_a_silent_routers_grant_is_held_then_released_and_survives_a_restart() -> None:
+    keeper = StateKeeper()
+    clock = Clock()
+    t = tenants(keeper, clock)
+    t.create("k", {"budget_tokens": 1000, "budget_period": "day"})
+    a = share(t.report(report("a", 1, k={"demand_tpm": 100.0})), "k").budget_tokens
+    assert a > 0
+    # Router a falls silent (cut off: it keeps its grant); b never gets a's part ...
+    clock.at += 60
+    back = tenants(keeper, clock)  # ... not even from a restarted control plane.
+    b = share(back.report(report("b", 1, k={"demand_tpm": 100.0})), "k").budget_tokens
+    assert a + b <= 1000
+    assert b <= 1000 - a
+    # Once a's grant is past GRANT_HOLD it is given back.
+    clock.at += 600
+    b = share(back.report(report("b", 2, k={"demand_tpm": 100.0})), "k").budget_tokens
+    assert b > 1000 - a

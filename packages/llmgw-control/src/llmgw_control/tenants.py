@@ -11,8 +11,10 @@ calls of EndpointService:
   share of each limited key (:mod:`llmgw_control.shares`) for :data:`VALID_FOR`.
 
 Budget grants are stored with the usage (kind ``keygrants``), so a new leader knows
-what the routers may still reserve. A standby holds nothing (the gate refuses both
-calls there) and reads everything back when elected.
+what the routers may still reserve; a grant counts as held until its router reports
+again (or for :data:`GRANT_HOLD`), since a router cut off keeps what it was granted.
+A standby holds nothing (the gate refuses both calls there) and reads everything
+back when elected.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from llmgw_control.store.keeper import StateKeeper
 from llmgw_control.usage import GRANTS, SEEN, USAGE, Counts, UsageBook, instance_key
 from llmgw_control.wire import recv
 
-__all__ = ["ACTIVE", "VALID_FOR", "KeyConflict", "Tenants"]
+__all__ = ["ACTIVE", "GRANT_HOLD", "VALID_FOR", "KeyConflict", "Tenants"]
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +50,11 @@ log = structlog.get_logger(__name__)
 VALID_FOR = 10.0
 # A router that reported within this long shares in every key's limits.
 ACTIVE = 5.0
+# How long a router's budget grant counts as held when it does not report again: a
+# router cut off keeps what it was granted (its next report replaces the grant; a
+# restarted router reports under the same id), so its grant is not given to others
+# before this.
+GRANT_HOLD = 600.0
 # How long ReportUsage waits for its counts to be stored before it replies anyway.
 STORE_WAIT = 2.0
 MAX_ID = 256
@@ -416,7 +423,7 @@ class Tenants:
                 granted[name] = share.budget_tokens
             out.append(share)
         if granted or router in self.grants:
-            until = now + VALID_FOR
+            until = now + GRANT_HOLD
             self.grants[router] = (until, granted)
             value = msgspec.json.encode(_Grants(router, until, granted))
             self._put(GRANTS, instance_key(router), value)
