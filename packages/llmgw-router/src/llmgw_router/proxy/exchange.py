@@ -18,6 +18,7 @@ from __future__ import annotations
 import structlog
 
 from llmgw_router.endpoints import Endpoint
+from llmgw_router.engine_errors import openai_error, other_headers
 from llmgw_router.errors import error_body, sse_error_event
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
@@ -58,11 +59,12 @@ class Exchange:
         # A stream that may be resumed after its first byte (issue 28): followed as it goes.
         splice = Splice() if self._max_resumes and refusal(ctx.path, ctx.body) is None else None
         original = ctx.body
+        broke = ""
         while True:
             ep = self.chooser.pick(ctx)
             if ep is None:
                 if splice is not None and splice.started:
-                    detail = last_failure.detail if last_failure else "no replica left"
+                    detail = last_failure.detail if last_failure else broke
                     await self._broken(ctx, send, splice, "no_replica", detail)
                     return
                 if last_failure is not None and ctx.tried:
@@ -85,6 +87,8 @@ class Exchange:
                 assert splice is not None
                 if not await self._after_break(ctx, send, ep, splice, broken):
                     return
+                broke = f"{broken.detail}; no other replica to resume the stream on"
+                last_failure = None
                 ctx.body = continuation(ctx.path, original, splice.text, splice.tokens)
                 splice.resumed()
                 metrics.child(metrics.resumes, ctx.model).inc()
@@ -185,9 +189,9 @@ class Exchange:
             await self._broken(ctx, send, splice, "retries_spent", failure.detail)
             return
         if failure.response is not None:
+            # The engine's own answer, in the router's (OpenAI's) error shape.
             status, headers, payload = failure.response
-            await send.start(status, headers)
-            await send.body(payload)
+            await respond(send, status, openai_error(status, payload), other_headers(headers))
         else:
             status = 504 if failure.reason.startswith("timeout") else 502
             await respond(

@@ -122,19 +122,29 @@ class ResumableRelay:
         except UpstreamError as err:
             self.state.record_failure(ep, "reset")
             raise StreamBroken("reset", f"{ep.id} broke off the response: {err}", last_at) from None
+        except BaseException:
+            # The client left (at `[DONE]`, say): the usage is counted all the same, as
+            # the engines did the work.
+            self._count(ctx, splice)
+            raise
         if not splice.done_sent and not splice.finished:
             # The body ended without the answer's end: the engine went away mid-answer.
             self.state.record_failure(ep, "reset")
             raise StreamBroken("closed_early", f"{ep.id} ended the stream early", last_at)
+        # A broken attempt's running usage is not the answer's: the one that ends it counts.
+        self._count(ctx, splice)
         if held:
             await send.body(held, True)
         await send.body(b"")
         ctx.status, ctx.endpoint = ctx.status or status, ep.id
-        if splice.usage is not None:
-            prompt, completion = splice.usage
-            metrics.child(metrics.tokens, model, "prompt").inc(prompt)
-            metrics.child(metrics.tokens, model, "completion").inc(completion)
         return True
+
+    def _count(self, ctx: RequestContext, splice: Splice) -> None:
+        if splice.usage is not None:
+            metrics = self.state.metrics
+            prompt, completion = ctx.usage = splice.usage
+            metrics.child(metrics.tokens, ctx.model, "prompt").inc(prompt)
+            metrics.child(metrics.tokens, ctx.model, "completion").inc(completion)
 
 
 async def _rest(response: Response, deadline: float) -> bytes:
