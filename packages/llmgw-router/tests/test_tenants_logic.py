@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_proto.config import ConfigError, load
-
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys, validate
 from llmgw_router.tenants.fair import FairQueue
 from llmgw_router.tenants.gate import estimate_tokens, lookup_secret
@@ -25,7 +24,8 @@ def test_rpm_refuses_past_the_limit_and_refills() -> None:
     for _ in range(3):
         assert isinstance(ks.try_reserve(0, 0.0), Reservation)
     refused = ks.try_reserve(0, 0.0)
-    assert isinstance(refused, Refusal) and refused.limit == "rpm"
+    assert isinstance(refused, Refusal)
+    assert refused.limit == "rpm"
     # One request comes back every 20 s (3 per minute).
     assert refused.retry_after == pytest.approx(20.0)
     assert isinstance(ks.try_reserve(0, 20.0), Reservation)
@@ -37,14 +37,16 @@ def test_tokens_reserved_then_corrected_by_usage() -> None:
     assert isinstance(got, Reservation)
     assert isinstance(ks.try_reserve(600, 0.0), Refusal)
     ks.release(got, 100, 0.0)  # used 100 of the 600 reserved: 500 back
-    assert ks.tokens is not None and ks.tokens.level == pytest.approx(900)
+    assert ks.tokens is not None
+    assert ks.tokens.level == pytest.approx(900)
     assert isinstance(ks.try_reserve(600, 0.0), Reservation)
 
 
 def test_request_larger_than_tpm_is_refused_for_good() -> None:
     ks = KeyState(KeyLimits(tpm=100), now=0.0)
     refused = ks.try_reserve(500, 0.0)
-    assert isinstance(refused, Refusal) and refused.limit == "too_large"
+    assert isinstance(refused, Refusal)
+    assert refused.limit == "too_large"
 
 
 def test_concurrency_and_budget() -> None:
@@ -53,11 +55,13 @@ def test_concurrency_and_budget() -> None:
     first = ks.try_reserve(60, 0.0)
     assert isinstance(first, Reservation)
     refused = ks.try_reserve(10, 0.0)
-    assert isinstance(refused, Refusal) and refused.limit == "concurrency"
+    assert isinstance(refused, Refusal)
+    assert refused.limit == "concurrency"
     ks.release(first, 50, 0.0)
     assert ks.budget_left == 50
     refused = ks.try_reserve(60, 0.0)
-    assert isinstance(refused, Refusal) and refused.limit == "budget"
+    assert isinstance(refused, Refusal)
+    assert refused.limit == "budget"
 
 
 def test_headers_are_openais() -> None:
@@ -176,7 +180,8 @@ def test_shed_takes_the_newest_of_the_lowest_band() -> None:
     q.push("batch-new", 2, "k")
     q.push("mid", 1, "k")
     victim = q.shed()
-    assert victim is not None and victim.item == "batch-new"
+    assert victim is not None
+    assert victim.item == "batch-new"
     assert [h.item for h in iter(q.pop, None)] == ["hi", "mid", "batch-old"]
 
 
@@ -189,7 +194,9 @@ _queue_ops = st.lists(
             st.integers(min_value=1, max_value=5),
         ),
         st.tuples(st.just("pop"), st.just(0), st.just(""), st.just(0)),
-        st.tuples(st.just("remove"), st.integers(min_value=0, max_value=50), st.just(""), st.just(0)),
+        st.tuples(
+            st.just("remove"), st.integers(min_value=0, max_value=50), st.just(""), st.just(0)
+        ),
     ),
     max_size=200,
 )
@@ -304,7 +311,8 @@ def test_config_names_an_unknown_priority(tmp_path: Path) -> None:
     cfg = _load(tmp_path, "api_keys:\n  - {key: k1, priority: urgent}\n")
     with pytest.raises(ConfigError) as err:
         resolve_api_keys(cfg, "router.yaml")
-    assert "$.api_keys[0].priority" in str(err.value) and "urgent" in str(err.value)
+    assert "$.api_keys[0].priority" in str(err.value)
+    assert "urgent" in str(err.value)
 
 
 def test_config_names_a_default_priority_not_in_bands(tmp_path: Path) -> None:

@@ -52,9 +52,18 @@ class FakeControl:
     def loads_path(self) -> Path:
         return self.snapshot_path.with_name(self.snapshot_path.stem + "-loads.json")
 
+    @property
+    def keys_path(self) -> Path:
+        return self.snapshot_path.with_name(self.snapshot_path.stem + "-keys.json")
+
+    @property
+    def shares_path(self) -> Path:
+        return self.snapshot_path.with_name(self.snapshot_path.stem + "-shares.json")
+
     def start(self) -> None:
         argv = [sys.executable, "-m", "llmgw_testkit.fake_control", "--port", str(self.port)]
         argv += ["--loads", str(self.loads_path)]
+        argv += ["--keys", str(self.keys_path), "--shares", str(self.shares_path)]
         if self.tls:
             argv += ["--tls", *map(str, self.tls)]
         if self.leader:
@@ -100,8 +109,23 @@ class FakeControl:
         tmp.write_text(json.dumps(loads))
         tmp.replace(self.loads_path)
 
+    def set_keys(self, version: int, keys: list[dict[str, Any]]) -> None:
+        """Serve this key set on WatchKeys (items: ApiKey fields: name, prefix, sha256,
+        rpm, tpm, max_concurrent, priority, weight, budget_tokens, revoked, ...)."""
+        _write(self.keys_path, {"version": version, "keys": keys})
+
+    def set_shares(self, shares: list[dict[str, Any]], valid_for: float = 3.0) -> None:
+        """Answer every ReportUsage with these KeyShare fields (key, rpm, tpm, ...)."""
+        _write(self.shares_path, {"valid_for": valid_for, "shares": shares})
+
     def output(self) -> str:
         return self.proc.output() if self.proc is not None else ""
+
+
+def _write(path: Path, body: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body))
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     It publishes the snapshot in ``--snapshot`` (JSON: version, endpoints, models) on
     subscribe and again whenever the file changes, streams the load figures in
     ``--loads`` (JSON: a list of EndpointLoad fields) as full updates every 100 ms while
-    the file exists, prints each subscription and each demand report. With ``--leader
+    the file exists, prints each subscription and each demand report. WatchKeys streams
+    the key set in ``--keys`` whenever it changes; ReportUsage prints each report (one
+    line per key) and answers with the shares in ``--shares``. With ``--leader
     ADDR`` it is a standby: every call gets UNAVAILABLE with ``llmgw-leader: ADDR``.
     """
     import argparse
@@ -118,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     import grpclib.const
     from grpclib.server import Server, Stream
     from llmgw_proto.v1 import (
+        ApiKey,
         DeclaredModel,
         DemandReply,
         DemandRequest,
@@ -125,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
         EndpointLoad,
         EndpointServiceBase,
         EndpointSnapshot,
+        KeySet,
+        KeyShare,
         LoadUpdate,
+        UsageReply,
+        UsageReport,
         WatchRequest,
     )
 
@@ -133,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--snapshot", type=Path, required=True)
     parser.add_argument("--loads", type=Path)
+    parser.add_argument("--keys", type=Path)
+    parser.add_argument("--shares", type=Path)
     parser.add_argument("--leader")
     parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CA"), type=Path)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -193,7 +226,44 @@ def main(argv: list[str] | None = None) -> None:
             ],
         )
 
+    def read_json(path: Path | None) -> tuple[str, Any]:
+        if path is None:
+            return "", None
+        try:
+            text = path.read_text()
+            return text, json.loads(text)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return "", None
+
     class Scripted(EndpointServiceBase):
+        async def watch_keys(self, message: WatchRequest) -> Any:
+            print(f"keys subscribed router_id={message.router_id}", flush=True)
+            sent = ""
+            while True:
+                text, data = read_json(args.keys)
+                if data is not None and text != sent:
+                    sent = text
+                    print(f"keys published version={data['version']}", flush=True)
+                    yield KeySet(version=data["version"], keys=[ApiKey(**k) for k in data["keys"]])
+                await asyncio.sleep(0.05)
+
+        async def report_usage(self, message: UsageReport) -> UsageReply:
+            for u in message.usage:
+                print(
+                    f"usage router_id={message.router_id} instance={message.instance} "
+                    f"sequence={message.sequence} key={u.key} requests={u.requests} "
+                    f"prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                    f"errors={u.errors} refused={u.refused} demand_rpm={u.demand_rpm:.1f}",
+                    flush=True,
+                )
+            _, data = read_json(args.shares)
+            if data is None:
+                return UsageReply()
+            return UsageReply(
+                shares=[KeyShare(**s) for s in data["shares"]],
+                valid_for=datetime.timedelta(seconds=data["valid_for"]),
+            )
+
         async def watch(self, message: WatchRequest) -> Any:
             print(
                 f"subscribed router_id={message.router_id} known_version={message.known_version}",

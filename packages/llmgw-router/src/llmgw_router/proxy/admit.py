@@ -74,8 +74,10 @@ class Admission:
     def authorize(self, headers: Headers) -> ApiKey | None:
         """The caller's key; None when the router has no keys (open access)."""
         keys = self.keys
-        by_prefix = self.tenancy.by_prefix if self.tenancy is not None else None
-        if not keys and not by_prefix:
+        tenancy = self.tenancy
+        by_prefix = tenancy.by_prefix if tenancy is not None else None
+        # Open access only while no key was ever configured or sent by the control plane.
+        if not keys and not (tenancy is not None and tenancy.closed):
             return None
         header = headers.get(b"authorization") or b""
         scheme, _, token = header.partition(b" ")

@@ -144,6 +144,7 @@ class Tenancy:
         # Control-plane keys by prefix, and this router's shares of their limits.
         self.by_prefix: dict[str, ApiKey] = {}
         self.keys_version = 0
+        self.closed = False
         self.shares: dict[str, Share] = {}
         self.shares_until = -math.inf
         self.usage: dict[str, _Usage] = {}
@@ -157,6 +158,9 @@ class Tenancy:
         """The control plane's key set: replaces the previous one whole."""
         self.by_prefix = {k.prefix: k for k in keys if k.prefix and k.sha256}
         self.keys_version = version
+        # Once the control plane has had a key, the router is closed: revoking the last
+        # one must not open it to everyone.
+        self.closed = self.closed or bool(self.by_prefix)
 
     def apply_shares(self, shares: Iterable[tuple[str, Share]], valid_for: float) -> None:
         at = now()
