@@ -44,6 +44,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
+        model: str = "",
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -52,6 +53,9 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or []
+        # A model the router knows (no endpoint now, held too long): what the request
+        # is counted under in llmgw_router_requests_total; "" for any other refusal.
+        self.model = model
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.param, self.code)
