@@ -15,7 +15,9 @@ from llmgw_agent.config import AgentConfig
 from llmgw_agent.inventory import GpuSource, Nvml, collect_inventory, open_gpus
 from llmgw_agent.kv_events import KvEventsRelay
 from llmgw_agent.load import LoadReporter
+from llmgw_agent.logs import LogSubscriptions
 from llmgw_agent.lora import AdapterCommands
+from llmgw_agent.output import OutputFollower
 from llmgw_agent.stream import ControlLink, Outbox
 from llmgw_agent.supervisor import Supervisor
 
@@ -60,6 +62,7 @@ class Agent:
             ssl_context=ssl_context,
             reloader=reloader,
             adapters=self.adapters,
+            logs=LogSubscriptions(self._output_of, self.outbox.put),
         )
         self.kv_events = KvEventsRelay(
             self.supervisor.kv_sources,
@@ -74,6 +77,10 @@ class Agent:
             session=lambda: self.link.sessions if self.link.connected.is_set() else 0,
             adapters=self.adapters.adapters,
         )
+
+    def _output_of(self, shard_id: str) -> OutputFollower | None:
+        engine = self.supervisor.engines.get(shard_id)
+        return engine.output if engine is not None else None
 
     def register(self) -> v1.Register:
         return v1.Register(

@@ -39,6 +39,7 @@ from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader
 
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.logs import LogSubscriptions
 from llmgw_agent.lora import AdapterCommands
 
 __all__ = ["CONNECT", "CommandHandler", "ControlLink", "Outbox"]
@@ -168,6 +169,8 @@ class ControlLink:
     address: str = ""
     # LoRA adapters' LoadAdapter/UnloadAdapter (answered once the engine answers).
     adapters: AdapterCommands | None = None
+    # Engine logs asked by the control plane (llmgw-control logs; llmgw_agent.logs).
+    logs: LogSubscriptions | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
     _addresses: list[str] = field(default_factory=list)
     _next: int = 0
@@ -298,6 +301,8 @@ class ControlLink:
             channel.close()
 
     async def _serve(self, stream: AgentStream, up_since: list[float]) -> None:
+        if self.logs is not None:
+            self.logs.reset()  # nobody reads what the last stream asked for
         await stream.send_request()
         register = self.register()
         await stream.send_message(v1.AgentMessage(register=register))
@@ -392,6 +397,8 @@ class ControlLink:
         return None
 
     def _dispatch(self, message: v1.ControlMessage) -> v1.CommandResult | None:
+        if self.logs is not None and self.logs.handle(message):
+            return None
         if message.start_shard is not None:
             start = message.start_shard
             log.info("command: start", command=start.command_id, shard=start.shard_id)

@@ -56,9 +56,9 @@ Answer = tuple[int, str, bytes]
 # A route served by another module (keys, usage, ...): (method, target, body) -> an
 # answer, or None when the path is not its own. It may await (a store write).
 Handler = Callable[[str, str, bytes], Awaitable[Answer | None]]
-# A GET route that writes its own streaming response (engine logs): (target, writer) ->
-# True when it was its own path and it answered.
-Streamer = Callable[[str, asyncio.StreamWriter], Awaitable[bool]]
+# A GET route that writes its own streaming response (engine logs): (target, reader,
+# writer) -> True when it was its own path and it answered (the reader tells a client gone).
+Streamer = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
 # Who made the change a handler is serving (llmgw_control.auth: "token", "admin:NAME").
 CHANGED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("changed_by", default="")
 
@@ -131,7 +131,7 @@ class AdminServer:
                 method = "GET"
             else:
                 method = parts[0]
-                if method == "GET" and await self._stream(parts[1], writer):
+                if method == "GET" and await self._stream(parts[1], reader, writer):
                     return
                 denied = self._denied(method, parts[1], head, writer)
                 if denied is not None:
@@ -155,9 +155,11 @@ class AdminServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _stream(self, target: str, writer: asyncio.StreamWriter) -> bool:
+    async def _stream(
+        self, target: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         for streamer in self.streamers:
-            if await streamer(target, writer):
+            if await streamer(target, reader, writer):
                 return True
         return False
 

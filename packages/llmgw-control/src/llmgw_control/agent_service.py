@@ -95,6 +95,8 @@ class AgentService:
         # only while the last good renewal is younger than the lease). Asked before a
         # command is queued and again before it is written to a stream.
         self.lease_valid: Callable[[], bool] = _always
+        # Engine output an agent sends for a logs request (llmgw_control.logs).
+        self.on_logs_chunk: Callable[[Session, v1.LogsChunk], None] = _ignore_chunk
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -107,6 +109,13 @@ class AgentService:
         }
 
     # --- dispatcher -----------------------------------------------------------------
+
+    def post(self, node_id: str, msg: v1.ControlMessage) -> Session | None:
+        """Queue a message that is no command (engine logs) on the node's stream, if any."""
+        session = self.sessions.get(node_id)
+        if session is not None:
+            session.outbox.put_nowait(msg)
+        return session
 
     def send(self, node_id: str, command_id: str, msg: v1.ControlMessage) -> bool:
         """Queue ``msg`` on the node's stream; its CommandResult is awaited for a while.
@@ -322,6 +331,8 @@ class AgentService:
                 events.on_load_report(session, msg.load_report)
             elif msg.cache_events is not None:
                 events.on_cache_events(session, msg.cache_events)
+            elif msg.logs_chunk is not None:
+                self.on_logs_chunk(session, msg.logs_chunk)
             elif msg.register is not None:
                 log.warning("second Register on one stream ignored", node_id=session.node_id)
 
@@ -387,6 +398,10 @@ def deposed_sends_anyway() -> bool:
 def admitted_while_deposed(handler: Callable[[Any], Awaitable[None]]) -> bool:
     """TEST ONLY (see DEPOSED_SENDS_ANYWAY): the LeaderGate lets agent streams through."""
     return isinstance(getattr(handler, "__self__", None), AgentService) and deposed_sends_anyway()
+
+
+def _ignore_chunk(session: Session, chunk: v1.LogsChunk) -> None:
+    pass
 
 
 def _is_command(msg: v1.ControlMessage) -> bool:

@@ -23,6 +23,7 @@ from llmgw_proto.tls import server_context
 from llmgw_control import ops as operations
 from llmgw_control.admin import CHANGED_BY, AdminServer, Answer, json_answer
 from llmgw_control.auth import Credentials, load_token, token_path
+from llmgw_control.logs import LogRelay
 
 if TYPE_CHECKING:
     from llmgw_control.config import ControlConfig
@@ -138,4 +139,5 @@ def install(
     admin.credentials = Credentials(token=token, certificates=tls is not None)
     ops = Operations(controller)
     admin.handlers.append(ops.handle)
+    admin.streamers.append(LogRelay(controller).serve)
     return tls
