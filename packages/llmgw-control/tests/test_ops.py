@@ -13,7 +13,7 @@ from llmgw_control import ops
 from llmgw_control.auth import Credentials, Denied, authorize
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 from llmgw_control.inventory import Node, NodeState, ShardReport
-from llmgw_control.opscli import rollout_verdict
+from llmgw_control.opscli import render_operations, rollout_verdict
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer
 from llmgw_control.reconciler import Decision, Settings, reconcile
 from llmgw_control.records import ControlState, Drain, Start
@@ -401,3 +401,25 @@ def test_rollout_verdict() -> None:
         "progressing"
     )
     assert rollout_verdict({"profiles": [profile(replicas=[])]})[0] == "progressing"
+
+
+def test_status_table_shows_the_overrides() -> None:
+    o = ops.Ops()
+    cat = catalog()
+    for verb in (
+        ops.Verb("cordon", "a", by="token"),
+        ops.Verb("drain", "b", deadline=60.0, by="admin:alice"),
+        ops.Verb("scale", "m", replicas=3, by="token"),
+        ops.Verb("pause", "m", by="token"),
+    ):
+        o, _ = ops.apply(o, verb, cat, nodes=["a", "b"], replicas={}, now=100.0)
+    (table,) = render_operations({"operations": ops.progress(o, {"r": ["b"]}, 130.0)})
+    lines = table.splitlines()
+    assert lines[0].split() == ["OVERRIDE", "WHAT", "BY"]
+    assert lines[1].split() == ["node", "a", "cordoned", "token"]
+    assert "drain draining: 1 replica(s) left, deadline in 30s" in lines[2]
+    assert lines[2].endswith("admin:alice")
+    assert "3 replicas" in lines[3]
+    assert "rollout m" in lines[4]
+    assert "paused" in lines[4]
+    assert render_operations({"operations": ops.progress(ops.Ops(), {}, 0.0)}) == []

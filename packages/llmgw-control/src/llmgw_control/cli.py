@@ -353,6 +353,7 @@ def render_status(data: dict[str, Any]) -> str:
         out.append(
             _table(rows, ["AUTOSCALED", "MIN-MAX", "WANTED", "READY", "METRIC/TARGET", "WHY"])
         )
+    out.extend(opscli.render_operations(data))
     for w in data.get("warnings") or []:
         out.append(f"WARNING {w['replica_id']}: {w['warning']}")
     if data["unplaceable"]:

@@ -32,7 +32,7 @@ from llmgw_proto.cli import fail
 from llmgw_proto.config import parse_duration
 from llmgw_proto.text import visible, visible_data
 
-__all__ = ["register", "rollout_verdict"]
+__all__ = ["register", "render_operations", "rollout_verdict"]
 
 DEFAULT_ADMIN = "http://127.0.0.1:9091"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -380,6 +380,44 @@ def logs(replica_id: str, shard: int, tail: int, follow: bool, **kw: Any) -> Non
         fail(visible(f"cannot reach the admin API at {client.base}: {reason}"), code=1)
     except KeyboardInterrupt:
         return
+
+
+def render_operations(data: dict[str, Any]) -> list[str]:
+    """The overrides in force as a table for `status` (none: nothing). Pure; ``data`` is
+    the status JSON, already through visible_data."""
+    ops = data.get("operations") or {}
+    rows: list[list[str]] = []
+    for n in ops.get("nodes", []):
+        drain = n.get("drain")
+        what = "cordoned"
+        if drain:
+            what = (
+                f"drain {drain['state']}: {drain['replicas_left']} replica(s) left, "
+                f"deadline in {drain['deadline_in']:g}s"
+            )
+        rows.append([f"node {n['node_id']}", what, n.get("by") or "-"])
+    for x in ops.get("scales", []):
+        if x.get("replicas") is not None:
+            what = f"{x['replicas']} replicas"
+        else:
+            what = f"autoscaled {x['min']}-{x['max']}"
+        rows.append([f"scale {x['model']}/{x['profile']}", what, x.get("by") or "-"])
+    for x in ops.get("restarts", []):
+        rows.append([f"restart {x['replica_id']}", "replacing", x.get("by") or "-"])
+    for x in ops.get("rollouts", []):
+        parts = (["paused"] if x.get("paused") else []) + [
+            f"undone ({', '.join(x['undone'])})" for _ in [0] if x.get("undone")
+        ]
+        rows.append([f"rollout {x['model']}", ", ".join(parts) or "-", x.get("by") or "-"])
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in [["OVERRIDE", "WHAT", "BY"], *rows]) for i in range(3)]
+    return [
+        "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in [["OVERRIDE", "WHAT", "BY"], *rows]
+        )
+    ]
 
 
 def register(main: click.Group) -> None:
