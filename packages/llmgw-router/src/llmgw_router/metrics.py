@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics
@@ -168,6 +168,16 @@ def _le(bound: float) -> str:
         return "+Inf"
     return repr(float(bound))
 
+
+# The reasons of llmgw_router_upstream_errors_total exported at 0 for every endpoint.
+UPSTREAM_REASONS = (
+    "connect",
+    "reset",
+    "timeout_first_byte",
+    "timeout_idle",
+    "status_429",
+    "status_5xx",
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -324,6 +334,17 @@ class Metrics:
             registry=r,
         )
         self._children: dict[tuple[Any, ...], Any] = {}
+
+    def declare(self, models: Iterable[str], endpoints: Iterable[str]) -> None:
+        """Error counters at 0 for every model and endpoint known, before their first
+        event: a dashboard panel or an alert over them reads 0, not "No data"."""
+        for model in models:
+            for family in (self.retries, self.retries_denied, self.client_disconnects):
+                self.child(family, model)
+        for endpoint in endpoints:
+            self.child(self.ejections, endpoint)
+            for reason in UPSTREAM_REASONS:
+                self.child(self.upstream_errors, endpoint, reason)
 
     def child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)

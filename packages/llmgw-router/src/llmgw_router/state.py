@@ -132,6 +132,7 @@ class RouterState:
         for ep in endpoints.endpoints:
             ep.max_age = max_age
             ep.block_tokens = block_tokens
+        self.metrics.declare(endpoints.models, (ep.id for ep in endpoints.endpoints))
 
     def swap(self, endpoints: EndpointSet) -> None:
         self.configure(endpoints)

@@ -15,6 +15,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from llmgw_router.errors import error_body
+from llmgw_router.request_id import new_id
 
 __all__ = ["OpenAIErrorsProtocol", "framing_error_response"]
 
@@ -29,6 +30,7 @@ def framing_error_response(detail: str) -> bytes:
         b"HTTP/1.1 400 Bad Request\r\n"
         b"content-type: application/json\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n"
+        b"x-request-id: " + new_id() + b"\r\n"
         b"connection: close\r\n\r\n"
     )
     return head + body

@@ -57,6 +57,7 @@ from urllib.parse import unquote
 import httptools
 import structlog
 
+from llmgw_router import request_id
 from llmgw_router.errors import ApiError
 from llmgw_router.front.framing import framing_error_response
 from llmgw_router.front.reply import CONTINUE, HttpRequest, error_response, internal_error
@@ -263,6 +264,7 @@ class ProxyProtocol(asyncio.Protocol):
         path = url.decode("latin-1")
         request.path = unquote(path) if "%" in path else path
         headers = request.headers
+        request_id.ensure(headers)  # the engine gets it, the answer carries it
         # Judged on the head: route and key (a wrong key reads no body and gets no
         # `100 Continue`), then the connection bound, then the declared length.
         try:

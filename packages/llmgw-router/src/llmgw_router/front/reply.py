@@ -11,6 +11,7 @@ import asyncio
 import http
 from typing import TYPE_CHECKING, Any, Protocol
 
+from llmgw_router import request_id
 from llmgw_router.errors import ApiError, error_body
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def error_response(status: int, message: str, code: str, extra: bytes = b"") -> 
     return (
         _STATUS_LINES[status]
         + b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+        + b"x-request-id: %b\r\n" % request_id.new_id()
         + extra
         + CLOSE
         + b"\r\n"
@@ -171,7 +173,11 @@ class HttpRequest:
         out = [line]
         close = not self.keep_alive or self.conn.draining
         framed = said_close = False
+        rid = self.headers.get(request_id.HEADER) or request_id.new_id()
+        out += (request_id.HEADER, b": ", rid, b"\r\n")
         for name, value in self.head:
+            if name == request_id.HEADER:
+                continue  # the request's own id, written above
             if name == b"content-length":
                 framed = True
                 if value.isdigit():

@@ -102,7 +102,7 @@ class ProxyApp:
                 )
                 await self.exchange(ctx, request, outcome)
         except ApiError as err:
-            outcome.error_status = err.status
+            outcome.error_status, outcome.error_model = err.status, err.model
             await respond(request, err.status, error_body(request.path, err), err.headers)
         except asyncio.CancelledError:
             # The client went away while the request waited (held, say): nothing to answer.
@@ -188,5 +188,7 @@ class ProxyApp:
             metrics.child(metrics.requests, ctx.model, str(ctx.status), ctx.endpoint).inc()
             metrics.child(metrics.duration, ctx.model).observe(now() - ctx.started)
         elif outcome.error_status:
-            # Labelled without model and endpoint: the model may be any string a client sent.
-            metrics.child(metrics.requests, "", str(outcome.error_status), "").inc()
+            # Labelled with a model only when the router knows it (ApiError.model): any
+            # string a client sends would make a series of its own.
+            model = outcome.error_model
+            metrics.child(metrics.requests, model, str(outcome.error_status), "").inc()

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
+from llmgw_router import request_id
 from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
 from llmgw_router.proxy.admit import MODELS_PATH, Admission, too_large
@@ -50,15 +51,18 @@ class Stages(Protocol):
 class _AsgiReply:
     """A :class:`Reply` as ASGI messages; notes when the last one goes out."""
 
-    __slots__ = ("_send", "finishing", "gone", "task")
+    __slots__ = ("_send", "finishing", "gone", "request_id", "task")
 
-    def __init__(self, send: Send, task: asyncio.Task[Any] | None) -> None:
+    def __init__(self, send: Send, task: asyncio.Task[Any] | None, rid: bytes) -> None:
         self._send = send
         self.finishing = False
         self.gone = False
         self.task = task
+        # Every answer carries it (llmgw_router.request_id).
+        self.request_id = rid
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        headers = request_id.with_id(headers, self.request_id)
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool = False) -> None:
@@ -75,11 +79,16 @@ async def serve_asgi(app: Stages, scope: Scope, receive: Receive, send: Send) ->
     kind = scope["type"]
     if kind == "http":
         outcome = Outcome()
-        reply = _AsgiReply(send, asyncio.current_task())
+        given = {
+            bytes(k).lower(): bytes(v)
+            for k, v in scope["headers"]
+            if bytes(k).lower() == request_id.HEADER
+        }
+        reply = _AsgiReply(send, asyncio.current_task(), request_id.ensure(given))
         try:
             await _route(app, scope, receive, reply, outcome)
         except ApiError as err:
-            outcome.error_status = err.status
+            outcome.error_status, outcome.error_model = err.status, err.model
             await respond(reply, err.status, error_body(scope["path"], err), err.headers)
         finally:
             app.count(outcome)
@@ -100,6 +109,7 @@ async def _route(
     headers: Headers = {}
     for key, value in scope["headers"]:
         headers.setdefault(bytes(key), bytes(value))
+    headers[request_id.HEADER] = reply.request_id  # the engine gets the same id
     admission = app.admission
     api_key = admission.admit(scope["method"], path, headers)
     if path == MODELS_PATH:

@@ -105,11 +105,13 @@ class RequestContext:
 class Outcome:
     """What the one exit counts: set by whichever stage answered."""
 
-    __slots__ = ("ctx", "error_status")
+    __slots__ = ("ctx", "error_model", "error_status")
 
     def __init__(self) -> None:
         self.ctx: RequestContext | None = None
         self.error_status = 0
+        # The model of an error answered before a context existed (ApiError.model).
+        self.error_model = ""
 
 
 class UpstreamFailure(Exception):

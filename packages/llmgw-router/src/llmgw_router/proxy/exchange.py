@@ -172,7 +172,8 @@ class Exchange:
             resumes=splice.resumes,
         )
         await send.body(sse_error_event(detail, "upstream_error"))
-        ctx.status = ctx.status or 200
+        # Counted as the failure it is (the relay's rule), not as the 200 its head said.
+        ctx.status = 502
         ctx.endpoint = ctx.endpoint or (ctx.tried[-1].id if ctx.tried else "")
 
     async def _give_up(

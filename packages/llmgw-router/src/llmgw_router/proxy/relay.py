@@ -14,8 +14,9 @@ import msgspec
 import structlog
 
 from llmgw_router.endpoints import Endpoint
+from llmgw_router.engine_errors import openai_error, other_headers
 from llmgw_router.errors import sse_error_event
-from llmgw_router.proxy.context import Reply, RequestContext
+from llmgw_router.proxy.context import Reply, RequestContext, respond
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import Pool, Response, UpstreamError
 
@@ -27,6 +28,10 @@ log = structlog.get_logger(__name__)
 _HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"proxy-connection"}
 )
+
+
+# An engine's error answer is read whole up to this, then passed on rewritten.
+_MAX_ERROR_BODY = 1 << 16
 
 
 class _Usage(msgspec.Struct):
@@ -93,6 +98,8 @@ class Relay:
                 content_type = value
                 break
         streamed = content_type.startswith(b"text/event-stream")
+        if status >= 400:
+            return await self._error(ctx, send, ep, response, first)
         ttft = now() - ctx.started
         metrics.child(metrics.ttft, model).observe(ttft)
         await send.start(status, response_headers(response))
@@ -102,6 +109,7 @@ class Relay:
         collected = bytearray(first) if not streamed else None
         clean = ended = False
         failure = ""
+        cut = status
         # The usage is counted even when the client leaves first: a client that closes on
         # `data: [DONE]` can be gone before the upstream's end is read, and the engine did
         # the work either way.
@@ -148,6 +156,8 @@ class Relay:
                 log.warning(
                     "stream failed after first byte", endpoint=ep.id, model=model, error=failure
                 )
+                # Counted as what it is, not as the 200 its head said.
+                cut = 504 if "deadline" in failure or failure.startswith("no data") else 502
                 if streamed:
                     await send.body(sse_error_event(failure, "upstream_error"))
                 else:
@@ -163,5 +173,35 @@ class Relay:
                 ctx.usage = (usage.prompt_tokens, usage.completion_tokens)
                 metrics.child(metrics.tokens, model, "prompt").inc(usage.prompt_tokens)
                 metrics.child(metrics.tokens, model, "completion").inc(usage.completion_tokens)
+        ctx.status, ctx.endpoint = (cut if failure else status), ep.id
+        return clean
+
+    async def _error(
+        self, ctx: RequestContext, send: Reply, ep: Endpoint, response: Response, first: bytes
+    ) -> bool:
+        """An engine's error answer (4xx; 5xx past retries come through exchange): read
+        whole (bounded), passed on in OpenAI's shape like the router's own errors."""
+        assert self.pool is not None
+        loop = self.pool.loop
+        body = bytearray(first)
+        clean = response.at_eof
+        if not clean:
+            until = loop.time() + ctx.deadlines.idle
+            try:
+                while len(body) < _MAX_ERROR_BODY:
+                    chunk = await response.read_chunk(until)
+                    if not chunk:
+                        clean = True
+                        break
+                    body += chunk
+            except (TimeoutError, UpstreamError):
+                pass  # what came is the message
+        status = response.status
+        await respond(
+            send,
+            status,
+            openai_error(status, bytes(body)),
+            other_headers(response_headers(response)),
+        )
         ctx.status, ctx.endpoint = status, ep.id
         return clean
