@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from llmgw_proto.config import BaseConfig
+from llmgw_proto.config import BaseConfig, ConfigError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -37,9 +37,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TracingConfig",
+    "check_config",
     "configure",
+    "current",
     "enabled",
     "parse_traceparent",
+    "record",
     "shutdown",
     "span",
     "traceparent",
@@ -58,6 +61,27 @@ class TracingConfig(BaseConfig):
     sample_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
     # Extra HTTP headers on every export (an auth token, say).
     headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def check_config(cfg: TracingConfig, source: str, field: str = "$.tracing") -> None:
+    """A ConfigError naming ``field.endpoint`` unless it is empty or an http(s) URL."""
+    endpoint = cfg.endpoint
+    if not endpoint:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError as err:
+        raise ConfigError(source, f"not a URL: {err}", f"{field}.endpoint") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            source,
+            f"{endpoint!r} is not an OTLP/HTTP URL (http://host:port or https://host:port)",
+            f"{field}.endpoint",
+        )
+    del port
 
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -224,13 +248,37 @@ def _live(
 
 
 def span(
-    name: str, *, parent: str | None = None, links: Sequence[str] = (), **attrs: object
+    name: str, *, parent: str | None = None, links: Sequence[str] = (), **attrs: Any
 ) -> contextlib.AbstractContextManager[NoSpan]:
     """A span around a block (see the module's doc); a shared no-op when tracing is off."""
     tracer = _tracer
     if tracer is None:
         return _NO_CONTEXT
     return _live(tracer, name, parent, links, attrs)
+
+
+def record(name: str, seconds: float, **attrs: object) -> None:
+    """A finished child span of the current one that ends now and lasted ``seconds``
+    (a wait measured on the way, such as the time to an engine's first byte)."""
+    tracer = _tracer
+    if tracer is None:
+        return
+    import time
+
+    end = time.time_ns()
+    child = tracer.start_span(
+        name, start_time=end - int(max(0.0, seconds) * 1e9), attributes=_clean(attrs)
+    )
+    child.end(end_time=end)
+
+
+def current() -> NoSpan:
+    """The current span (to add attributes to); the no-op span when off or outside one."""
+    if _tracer is None:
+        return _NO_SPAN
+    from opentelemetry.trace import get_current_span
+
+    return LiveSpan(get_current_span())
 
 
 def traceparent() -> str | None:

@@ -16,6 +16,7 @@ from llmgw_proto.addr import HostPort, parse_endpoint_url, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 from llmgw_proto.keepalive import keepalive_problem
 from llmgw_proto.tls import TlsConfig
+from llmgw_proto.tracing import TracingConfig, check_config
 
 from llmgw_router.tenants.config import TenantsConfig, check_tenants
 from llmgw_router.tenants.limits import KeyLimits
@@ -334,6 +335,8 @@ class RouterConfig(BaseConfig):
     api_keys_file: str = ""
     # Per-key admission (limits, shares, priority bands, the fair-share queue).
     tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
+    # OpenTelemetry spans over OTLP/HTTP (llmgw_proto.tracing); no endpoint: off.
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
     # Per served model name: deadlines that differ from the global ones.
     model_deadlines: dict[str, DeadlinesOverride] = msgspec.field(default_factory=dict)
@@ -415,6 +418,7 @@ def validate(cfg: RouterConfig, source: str) -> RouterConfig:
         except TokenizerError as err:
             raise ConfigError(source, str(err), where) from None
     check_tenants(cfg.tenants, source)
+    check_config(cfg.tracing, source)
     if cfg.api_keys_file:
         path = Path(cfg.api_keys_file)
         if not path.is_file():

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import structlog
 import uvicorn
+from llmgw_proto import tracing
 from llmgw_proto.addr import parse_hostport
 
 from llmgw_router.admin import admin_app
@@ -86,6 +87,8 @@ async def serve(
     api_keys: tuple[ApiKey, ...] = (),
     worker: WorkerContext | None = None,
 ) -> None:
+    # Spans over OTLP when `tracing.endpoint` is set (each worker exports its own).
+    tracing.configure(config.tracing, "llmgw-router")
     metrics = Metrics()
     state = RouterState(
         config, EndpointSet((Endpoint(spec=s) for s in static), source="static"), metrics
@@ -208,6 +211,8 @@ async def serve(
     await asyncio.gather(*background, return_exceptions=True)
     await session.close()
     pool.close()
+    # What is still buffered goes out before the process ends.
+    await asyncio.to_thread(tracing.shutdown)
     if listen_socket is not None:
         listen_socket.close()
     failed = [

@@ -30,8 +30,10 @@ import asyncio
 
 import structlog
 
+from llmgw_router import tracing
 from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
+from llmgw_router.proxy import traced
 from llmgw_router.proxy.admit import MODELS_PATH, PROXIED_PATHS, Admission, too_large
 from llmgw_router.proxy.asgi import Receive, Scope, Send, serve_asgi
 from llmgw_router.proxy.choose import Chooser
@@ -85,6 +87,13 @@ class ProxyApp:
 
     async def serve_request(self, request: Incoming) -> None:
         """One request read whole by the router's own HTTP server, answered to the end."""
+        if tracing.enabled():
+            with traced.request_span(request.method, request.path, request.headers):
+                await self._serve_request(request)
+        else:
+            await self._serve_request(request)
+
+    async def _serve_request(self, request: Incoming) -> None:
         outcome = Outcome()
         try:
             if request.refusal is not None:
@@ -113,7 +122,12 @@ class ProxyApp:
             self.count(outcome)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_asgi(self, scope, receive, send)
+        if tracing.enabled() and scope["type"] == "http":
+            headers = traced.asgi_headers(scope)
+            with traced.request_span(scope["method"], scope["path"], headers):
+                await serve_asgi(self, scope, receive, send)
+        else:
+            await serve_asgi(self, scope, receive, send)
 
     async def context(
         self,
@@ -151,7 +165,10 @@ class ProxyApp:
         if api_key is not None or tenancy.queue_on:
             # Last, so that nothing between here and exchange() can fail: its finally
             # gives the ticket back.
-            ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
+            with tracing.span("llmgw.admission"):
+                ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
+        if tracing.enabled():
+            traced.on_context(api_key, ctx, self.state.config.balancer)
         return ctx
 
     async def exchange(self, ctx: RequestContext, reply: Reply, outcome: Outcome) -> None:
@@ -182,6 +199,8 @@ class ProxyApp:
 
     def count(self, outcome: Outcome) -> None:
         """The one place request metrics are recorded."""
+        if tracing.enabled():
+            traced.on_count(outcome)
         metrics = self.state.metrics
         ctx = outcome.ctx
         if ctx is not None and ctx.status:

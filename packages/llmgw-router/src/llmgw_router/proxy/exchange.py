@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import structlog
 
+from llmgw_router import tracing
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.engine_errors import openai_error, other_headers
 from llmgw_router.errors import error_body, sse_error_event
+from llmgw_router.proxy import traced
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
 from llmgw_router.proxy.relay import Relay, response_headers
@@ -73,7 +75,12 @@ class Exchange:
                 raise self.chooser.unavailable(ctx.model, ctx.candidates)
             ctx.tried.append(ep)
             try:
-                await self._attempt(ctx, send, ep, splice)
+                with tracing.span(
+                    "llmgw.resume" if splice is not None and splice.resumes else "llmgw.upstream",
+                    endpoint=ep.id,
+                    attempt=len(ctx.tried),
+                ):
+                    await self._attempt(ctx, send, ep, splice)
                 if splice is not None and splice.resumes:
                     log.info(
                         "resumed stream ended",
@@ -228,7 +235,7 @@ class Exchange:
                     ep.url,
                     ctx.path,
                     ctx.body,
-                    ctx.headers,
+                    traced.upstream_headers(ctx.headers) if tracing.enabled() else ctx.headers,
                     connect_timeout=deadlines.connect,
                     deadline=first_byte_by,
                     api_key=ep.spec.api_key,
@@ -248,6 +255,8 @@ class Exchange:
                 # Past the queue and the prefill: the engine is generating for it.
                 ep.first_byte(miss, work, now() - sent_at)
                 answered = True
+                if tracing.enabled():
+                    tracing.record("llmgw.first_byte", now() - sent_at, status=status)
             except TimeoutError:
                 raise UpstreamFailure(
                     "timeout_first_byte",
