@@ -132,14 +132,26 @@ class Agent:
             self.gpus.close()
 
 
+def _on_hangup() -> None:
+    # The control plane and the router re-read their files on SIGHUP; the agent's file
+    # (node id, engines, state_dir, control address) is what its engines and its stream
+    # stand on, so it is read at start only. SIGHUP's default action would end the
+    # agent (exit 129): it is caught and changes nothing.
+    log.warning(
+        "SIGHUP: the agent reads its config only at start; nothing changed. Restart the "
+        "agent to apply a new config: its engines keep running and are re-adopted"
+    )
+
+
 def run_agent(config: AgentConfig) -> int:
-    """Run until SIGTERM or SIGINT; the exit status."""
+    """Run until SIGTERM or SIGINT; the exit status. SIGHUP is logged and changes nothing."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, _on_hangup)
         await Agent(config).run(stop)
 
     asyncio.run(main())

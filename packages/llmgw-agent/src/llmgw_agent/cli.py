@@ -207,7 +207,8 @@ def run(config_path: str | None, insecure: bool) -> None:
     """Register with the control plane and run the engines it asks for.
 
     SIGTERM or SIGINT stops the agent; engines keep running (a new agent re-adopts
-    them) unless stop_engines_on_exit is set.
+    them) unless stop_engines_on_exit is set. SIGHUP changes nothing (logged): the
+    config is read at start only; restart the agent to apply a new one.
     """
     config = _config_or_exit(config_path, insecure=insecure)
     from llmgw_agent.agent import run_agent
