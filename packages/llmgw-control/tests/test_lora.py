@@ -192,10 +192,28 @@ def _unique(reps: list[ReplicaView]) -> list[ReplicaView]:
     return list({r.id: r for r in reps}.values())
 
 
+def test_an_adapter_used_recently_is_not_unloaded_for_another() -> None:
+    reps = [ReplicaView("a", 0, 1, frozenset({"busy"}))]
+    demand = {"busy": Demand(last_used=95), "x": Demand(held=1, last_used=100)}
+    assert plan(reps, demand, now=100, min_idle=10) == []
+    assert plan(reps, demand, now=106, min_idle=10) == [
+        Action("unload", "a", "busy"),
+        Action("load", "a", "x"),
+    ]
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(replica, max_size=5).map(_unique), demand, st.floats(0.5, 20))
-def test_plan_properties(reps: list[ReplicaView], wants: dict[str, Demand], hot: float) -> None:
-    actions = plan(reps, wants, hot_rate=hot)
+@given(
+    st.lists(replica, max_size=5).map(_unique),
+    demand,
+    st.floats(0.5, 20),
+    st.floats(0, 120),
+    st.sampled_from([0.0, 5.0, 30.0]),
+)
+def test_plan_properties(
+    reps: list[ReplicaView], wants: dict[str, Demand], hot: float, now: float, min_idle: float
+) -> None:
+    actions = plan(reps, wants, hot_rate=hot, now=now, min_idle=min_idle)
     taken = {r.id: set(r.taken) for r in reps}
     by_id = {r.id: r for r in reps}
     for a in actions:
@@ -209,6 +227,8 @@ def test_plan_properties(reps: list[ReplicaView], wants: dict[str, Demand], hot:
             assert a.adapter in taken[a.replica]
             assert a.adapter not in r.loading
             assert wants.get(a.adapter, Demand()).held == 0
+            # Nor of one used within min_idle.
+            assert min_idle <= 0 or now - wants.get(a.adapter, Demand()).last_used >= min_idle
             taken[a.replica].discard(a.adapter)
     for rid, held in taken.items():
         # Never more than the engine holds at once (unless it already did).
@@ -217,7 +237,12 @@ def test_plan_properties(reps: list[ReplicaView], wants: dict[str, Demand], hot:
     # free slot or one it may free.
     free = any(
         len(r.taken) < r.capacity
-        or any(a not in r.loading and wants.get(a, Demand()).held == 0 for a in r.taken)
+        or any(
+            a not in r.loading
+            and wants.get(a, Demand()).held == 0
+            and (min_idle <= 0 or now - wants.get(a, Demand()).last_used >= min_idle)
+            for a in r.taken
+        )
         for r in reps
         if r.capacity > 0
     )

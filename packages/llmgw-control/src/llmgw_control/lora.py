@@ -68,8 +68,12 @@ Send = Callable[[str, str, v1.ControlMessage], bool]
 
 
 class LoraManager:
-    def __init__(self, registry: CollectorRegistry, *, hot_rate: float = 8.0) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, hot_rate: float = 8.0, min_idle: float = 10.0
+    ) -> None:
         self.hot_rate = hot_rate
+        # An adapter used more recently than this is not unloaded for another.
+        self.min_idle = min_idle
         self.demand: dict[str, _AdapterDemand] = {}
         self._sent: dict[str, _Sent] = {}
         self._ids = itertools.count(1)
@@ -177,7 +181,10 @@ class LoraManager:
                     Action("unload", ep.id, a) for a in sorted(held - unloading - set(names))
                 ]
             demand = {a: d.view(now) for a, d in self.demand.items() if a in names}
-            for action in [*removed, *plan(views, demand, hot_rate=self.hot_rate)]:
+            for action in [
+                *removed,
+                *plan(views, demand, hot_rate=self.hot_rate, now=now, min_idle=self.min_idle),
+            ]:
                 ep = info[action.replica]
                 command_id = f"{prefix}-{next(self._ids)}"
                 if action.kind == "load":

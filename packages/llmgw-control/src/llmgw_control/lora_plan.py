@@ -7,7 +7,8 @@ Output: load and unload actions, in the order to send them.
 
 - An adapter with requests held and no holder (nor a load under way) is loaded at once
   on the least loaded replica; a full replica first unloads its least recently used
-  adapter (never one being loaded, never one with requests held).
+  adapter (never one being loaded, never one with requests held, never one used within
+  ``min_idle`` seconds: routers may still be sending it requests there).
 - A hot adapter (more than ``hot_rate`` requests a second per holder) gains a holder,
   one per pass, on the least loaded replica that does not hold it, evicting there only
   an adapter used less recently than it.
@@ -75,6 +76,8 @@ def plan(
     demand: Mapping[str, Demand],
     *,
     hot_rate: float = 8.0,
+    now: float = 0.0,
+    min_idle: float = 0.0,
 ) -> list[Action]:
     """The loads and unloads to send now (see the module's rules)."""
     reps = [_Replica(r, set(r.taken), r.load) for r in replicas if r.capacity > 0]
@@ -89,7 +92,11 @@ def plan(
     def victim(rep: _Replica, newer_than: float | None) -> str | None:
         """The adapter ``rep`` may unload for another: least recently used first."""
         movable = [
-            a for a in rep.taken if a not in rep.view.loading and demand.get(a, Demand()).held == 0
+            a
+            for a in rep.taken
+            if a not in rep.view.loading
+            and demand.get(a, Demand()).held == 0
+            and (min_idle <= 0 or now - last_used(a) >= min_idle)
         ]
         if not movable:
             return None
