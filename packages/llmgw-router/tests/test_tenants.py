@@ -4,6 +4,7 @@ are full, and keys and shares from a control plane (WatchKeys, ReportUsage)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import threading
@@ -240,3 +241,48 @@ def test_keys_and_shares_from_the_control_plane(
     wait_for(lambda: status() == 200, timeout=10, what="the key back")
     control.stop()
     assert status() == 200
+
+
+async def _race(url: str, secret: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        return list(
+            await asyncio.gather(
+                *(
+                    http.post(url, json={**CHAT, "max_tokens": 10}, headers=bearer(secret))
+                    for _ in range(n)
+                )
+            )
+        )
+
+
+def test_a_budget_raced_by_50_requests_ends_at_or_under_it(
+    spawn_upstream: Spawn, spawn_router: Spawn
+) -> None:
+    up = spawn_upstream("e1", ["m1"], "--sim-itl", "0.02")
+    budget = 400
+    router = spawn_router(
+        {
+            "endpoints": [up.entry(["m1"])],
+            "api_keys": [
+                {
+                    "key": "sk-budget",
+                    "name": "capped",
+                    "budget_tokens": budget,
+                    "budget_period": "day",
+                },
+            ],
+        }
+    )
+    answers = asyncio.run(_race(router.url + "/v1/chat/completions", "sk-budget", 50))
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(ok) + len(refused) == 50
+    assert ok
+    assert refused
+    assert {r.json()["error"]["code"] for r in refused} == {"insufficient_quota"}
+    used = sum(r.json()["usage"]["total_tokens"] for r in ok)
+    assert used <= budget
+    text = router.metrics()
+    counted = metric(text, "llmgw_router_key_tokens_total", key="capped", kind="prompt")
+    counted += metric(text, "llmgw_router_key_tokens_total", key="capped", kind="completion")
+    assert counted == used

@@ -6,14 +6,21 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_proto.config import ConfigError, load
+from llmgw_proto.v1 import UsageReply
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys, validate
+from llmgw_router.control.keys import KeysClient
+from llmgw_router.endpoints import EndpointSet
+from llmgw_router.metrics import Metrics
+from llmgw_router.state import RouterState, now
+from llmgw_router.tenants.config import TenantsConfig
 from llmgw_router.tenants.fair import FairQueue
-from llmgw_router.tenants.gate import estimate_tokens, lookup_secret
+from llmgw_router.tenants.gate import Share, Tenancy, Usage, estimate_tokens, lookup_secret
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation, reset_text
 
 # ---------------------------------------------------------------------------- limits
@@ -320,3 +327,49 @@ def test_config_names_a_default_priority_not_in_bands(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         validate(cfg, "router.yaml")
     assert "$.tenants.default_priority" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- Tenancy
+
+
+def _tenancy(workers: int = 1, **tenants: Any) -> Tenancy:
+    config = RouterConfig(tenants=TenantsConfig(**tenants))
+    state = RouterState(config, EndpointSet((), source="static"), Metrics())
+    return Tenancy(state, config.tenants, workers)
+
+
+def test_config_limits_are_divided_among_workers() -> None:
+    key = ApiKey(b"k", "a", frozenset(), limits=KeyLimits(rpm=100, max_concurrent=8))
+    assert _tenancy(workers=4).limits_for(key, 0.0) == KeyLimits(rpm=25, max_concurrent=2)
+    assert _tenancy(workers=1).limits_for(key, 0.0) == key.limits
+
+
+def test_control_key_takes_its_share_then_the_fallback() -> None:
+    tenancy = _tenancy(workers=2, fallback_fraction=0.5)
+    key = ApiKey(b"", "a", frozenset(), limits=KeyLimits(rpm=100), local=False)
+    # No share yet: the fallback fraction, divided among the workers.
+    assert tenancy.limits_for(key, now()).rpm == 25
+    tenancy.apply_shares([("a", Share(rpm=10, tpm=0, max_concurrent=0, budget_tokens=0))], 5.0)
+    assert tenancy.limits_for(key, now()).rpm == 10
+    # Past valid_for with no new reply: the fallback again.
+    assert tenancy.limits_for(key, now() + 6.0).rpm == 25
+    # A share of 0 for a limited key is never "unlimited".
+    tenancy.apply_shares([("a", Share(rpm=0, tpm=0, max_concurrent=0, budget_tokens=0))], 5.0)
+    assert tenancy.limits_for(key, now()).rpm == 1
+
+
+def test_usage_report_is_resent_unchanged_until_answered() -> None:
+    tenancy = _tenancy()
+    client = KeysClient(tenancy, "r1")
+    tenancy.usage["a"] = Usage(requests=3)
+    first = client.next_report()
+    tenancy.usage["a"] = Usage(requests=5)
+    # No answer: the same report again (same sequence), the new usage waits.
+    again = client.next_report()
+    assert again is first
+    assert [(u.key, u.requests) for u in again.usage] == [("a", 3)]
+    client.answered(UsageReply())
+    nxt = client.next_report()
+    assert nxt.sequence == first.sequence + 1
+    assert nxt.instance == first.instance
+    assert [(u.key, u.requests) for u in nxt.usage] == [("a", 5)]

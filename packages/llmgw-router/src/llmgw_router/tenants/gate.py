@@ -31,7 +31,7 @@ from llmgw_router.tenants.fair import FairQueue, Held
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation
 from llmgw_router.tenants.metrics import TenantMetrics
 
-__all__ = ["Share", "Tenancy", "Ticket", "lookup_secret"]
+__all__ = ["Share", "Tenancy", "Ticket", "Usage", "estimate_tokens", "lookup_secret"]
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +84,7 @@ class Share:
 
 
 @dataclass(slots=True)
-class _Usage:
+class Usage:
     """One key's usage since the last report (ReportUsage's KeyUsage)."""
 
     requests: int = 0
@@ -147,7 +147,7 @@ class Tenancy:
         self.closed = False
         self.shares: dict[str, Share] = {}
         self.shares_until = -math.inf
-        self.usage: dict[str, _Usage] = {}
+        self.usage: dict[str, Usage] = {}
         self.gates: dict[str, _Gate] = {}
         self._ticker: asyncio.Task[None] | None = None
         self.metrics = TenantMetrics(state.metrics.registry, self.queue_lengths)
@@ -221,7 +221,7 @@ class Tenancy:
         reservation: Reservation | None = None
         usage = self.usage.get(name)
         if usage is None:
-            usage = self.usage[name] = _Usage()
+            usage = self.usage[name] = Usage()
         usage.asked += 1
         if key is not None:
             if key.priority in self.bands:
@@ -469,7 +469,7 @@ class Tenancy:
             },
         }
 
-    def take_usage(self) -> dict[str, _Usage]:
+    def take_usage(self) -> dict[str, Usage]:
         """Usage since the last call, per key; the counts start again."""
         taken, self.usage = self.usage, {}
         return taken
