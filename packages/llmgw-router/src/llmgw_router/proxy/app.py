@@ -74,6 +74,11 @@ class ProxyApp:
         self._with_prompt = self.chooser.cache_aware
         self._exchange = Exchange(state, pool, self.chooser)
         self.holds = self.router.holds
+        # Tracing is configured before the app is built (server.serve): off, no request
+        # pays more than reading this flag.
+        self._traced = tracing.enabled()
+        if self._traced:
+            self.serve_request = self._serve_traced  # type: ignore[method-assign]
 
     def set_keys(self, keys: tuple[ApiKey, ...]) -> None:
         """New API keys (SIGHUP re-read the keys file): the next request is checked on them."""
@@ -85,15 +90,12 @@ class ProxyApp:
         ApiError."""
         return self.admission.admit(method, path, headers)
 
+    async def _serve_traced(self, request: Incoming) -> None:
+        with traced.request_span(request.method, request.path, request.headers):
+            await ProxyApp.serve_request(self, request)
+
     async def serve_request(self, request: Incoming) -> None:
         """One request read whole by the router's own HTTP server, answered to the end."""
-        if tracing.enabled():
-            with traced.request_span(request.method, request.path, request.headers):
-                await self._serve_request(request)
-        else:
-            await self._serve_request(request)
-
-    async def _serve_request(self, request: Incoming) -> None:
         outcome = Outcome()
         try:
             if request.refusal is not None:
@@ -122,7 +124,7 @@ class ProxyApp:
             self.count(outcome)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if tracing.enabled() and scope["type"] == "http":
+        if self._traced and scope["type"] == "http":
             headers = traced.asgi_headers(scope)
             with traced.request_span(scope["method"], scope["path"], headers):
                 await serve_asgi(self, scope, receive, send)
@@ -165,9 +167,12 @@ class ProxyApp:
         if api_key is not None or tenancy.queue_on:
             # Last, so that nothing between here and exchange() can fail: its finally
             # gives the ticket back.
-            with tracing.span("llmgw.admission"):
+            if self._traced:
+                with tracing.span("llmgw.admission"):
+                    ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
+            else:
                 ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
-        if tracing.enabled():
+        if self._traced:
             traced.on_context(api_key, ctx, self.state.config.balancer)
         return ctx
 
@@ -199,7 +204,7 @@ class ProxyApp:
 
     def count(self, outcome: Outcome) -> None:
         """The one place request metrics are recorded."""
-        if tracing.enabled():
+        if self._traced:
             traced.on_count(outcome)
         metrics = self.state.metrics
         ctx = outcome.ctx

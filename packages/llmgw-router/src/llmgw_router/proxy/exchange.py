@@ -39,9 +39,20 @@ log = structlog.get_logger(__name__)
 class Exchange:
     """The retry loop around one request's attempts."""
 
-    __slots__ = ("_max_resumes", "_policy", "chooser", "pool", "relay", "resumable", "state")
+    __slots__ = (
+        "_max_resumes",
+        "_policy",
+        "_traced",
+        "chooser",
+        "pool",
+        "relay",
+        "resumable",
+        "state",
+    )
 
     def __init__(self, state: RouterState, pool: Pool | None, chooser: Chooser) -> None:
+        # Read once: tracing is configured before the proxy is built.
+        self._traced = tracing.enabled()
         self.state = state
         self.pool = pool
         self.chooser = chooser
@@ -75,11 +86,9 @@ class Exchange:
                 raise self.chooser.unavailable(ctx.model, ctx.candidates)
             ctx.tried.append(ep)
             try:
-                with tracing.span(
-                    "llmgw.resume" if splice is not None and splice.resumes else "llmgw.upstream",
-                    endpoint=ep.id,
-                    attempt=len(ctx.tried),
-                ):
+                if self._traced:
+                    await self._attempt_traced(ctx, send, ep, splice)
+                else:
                     await self._attempt(ctx, send, ep, splice)
                 if splice is not None and splice.resumes:
                     log.info(
@@ -214,6 +223,16 @@ class Exchange:
             )
         ctx.status, ctx.endpoint = status, ep.id
 
+    async def _attempt_traced(
+        self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice | None
+    ) -> None:
+        with tracing.span(
+            "llmgw.resume" if splice is not None and splice.resumes else "llmgw.upstream",
+            endpoint=ep.id,
+            attempt=len(ctx.tried),
+        ):
+            await self._attempt(ctx, send, ep, splice)
+
     async def _attempt(
         self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice | None = None
     ) -> None:
@@ -235,7 +254,7 @@ class Exchange:
                     ep.url,
                     ctx.path,
                     ctx.body,
-                    traced.upstream_headers(ctx.headers) if tracing.enabled() else ctx.headers,
+                    traced.upstream_headers(ctx.headers) if self._traced else ctx.headers,
                     connect_timeout=deadlines.connect,
                     deadline=first_byte_by,
                     api_key=ep.spec.api_key,
@@ -255,7 +274,7 @@ class Exchange:
                 # Past the queue and the prefill: the engine is generating for it.
                 ep.first_byte(miss, work, now() - sent_at)
                 answered = True
-                if tracing.enabled():
+                if self._traced:
                     tracing.record("llmgw.first_byte", now() - sent_at, status=status)
             except TimeoutError:
                 raise UpstreamFailure(
