@@ -3,6 +3,7 @@ queue (fair.py), OpenAI's reset format, and the config's rules."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from pathlib import Path
@@ -11,14 +12,14 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llmgw_proto.config import ConfigError, load
+from llmgw_proto.config import ConfigError, Duration, load
 from llmgw_proto.v1 import UsageReply
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys, validate
 from llmgw_router.control.keys import KeysClient
-from llmgw_router.endpoints import EndpointSet
+from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.metrics import Metrics
 from llmgw_router.state import RouterState, now
-from llmgw_router.tenants.config import TenantsConfig
+from llmgw_router.tenants.config import QueueConfig, TenantsConfig
 from llmgw_router.tenants.fair import FairQueue
 from llmgw_router.tenants.gate import Share, Tenancy, Usage, estimate_tokens, lookup_secret
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation, reset_text
@@ -373,3 +374,34 @@ def test_usage_report_is_resent_unchanged_until_answered() -> None:
     assert nxt.sequence == first.sequence + 1
     assert nxt.instance == first.instance
     assert [(u.key, u.requests) for u in nxt.usage] == [("a", 5)]
+
+
+async def _yield(times: int = 5) -> None:
+    for _ in range(times):
+        await asyncio.sleep(0)
+
+
+async def test_a_held_request_that_leaves_gives_its_place_back() -> None:
+    tenancy = _tenancy(queue=QueueConfig(per_endpoint=1, max_wait=Duration(30.0)))
+    ep = Endpoint(spec=EndpointSpec(id="e", url="http://127.0.0.1:1", models=("m",)))
+    first = await tenancy.admit(None, "m", (ep,), b"{}")
+    gate = tenancy.gates["m"]
+    assert gate.in_flight == 1
+    # Held, then its client leaves: out of the queue, nothing counted in flight.
+    held = asyncio.create_task(tenancy.admit(None, "m", (ep,), b"{}"))
+    await _yield()
+    assert len(gate.queue) == 1
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert (gate.in_flight, len(gate.queue)) == (1, 0)
+    # Let go by the first one's end, then cancelled before it ran: the place goes back.
+    held = asyncio.create_task(tenancy.admit(None, "m", (ep,), b"{}"))
+    await _yield()
+    tenancy.done(first, 1, 1, 200)
+    assert gate.in_flight == 1
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert (gate.in_flight, len(gate.queue)) == (0, 0)
+    await tenancy.close()

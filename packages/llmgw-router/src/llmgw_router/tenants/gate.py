@@ -363,8 +363,15 @@ class Tenancy:
         try:
             async with asyncio.timeout(self.config.queue.max_wait):
                 await future
-        except TimeoutError:
-            raise self._overloaded(ticket.model, "queue_timeout", held) from None
+        except BaseException as err:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Let go by _drain (and counted in flight) just as it timed out or the
+                # client left: not going after all.
+                gate.in_flight -= 1
+                self._drain(gate)
+            if isinstance(err, TimeoutError):
+                raise self._overloaded(ticket.model, "queue_timeout", held) from None
+            raise
         finally:
             if gate.waiters.pop(id(future), None) is not None:
                 gate.queue.remove(held)
