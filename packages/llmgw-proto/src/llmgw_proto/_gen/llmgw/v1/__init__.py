@@ -520,6 +520,12 @@ class Endpoint(betterproto2.Message):
     refuses a request without it); empty: the engine takes none. Never shown.
     """
 
+    routes: "list[str]" = betterproto2.field(70, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The HTTP paths the engine serves (ShardStatus.routes); empty: not known, and the
+    router sends it any route.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Endpoint", Endpoint)
 
@@ -1112,6 +1118,11 @@ class RunningShard(betterproto2.Message):
     plane that learns the shard from Register can still publish it to routers.
     """
 
+    routes: "list[str]" = betterproto2.field(70, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The HTTP paths the engine serves (as ShardStatus.routes); empty: not known.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "RunningShard", RunningShard)
 
@@ -1171,6 +1182,19 @@ class ShardStatus(betterproto2.Message):
     """
     The secret the engine's HTTP port requires (Authorization: Bearer ...), given by the
     agent at launch; the control plane passes it to routers and shows it nowhere.
+    """
+
+    traceparent: "str" = betterproto2.field(70, betterproto2.TYPE_STRING)
+    """
+    W3C traceparent of the agent's span for this transition (empty: tracing off), so
+    the control plane links its own spans to the agent's.
+    """
+
+    routes: "list[str]" = betterproto2.field(71, betterproto2.TYPE_STRING, repeated=True)
+    """
+    At READY: the HTTP paths the engine serves, read from the engine (vLLM's and SGLang's
+    /openapi.json; llama-server's known routes), e.g. "/v1/responses"; a path with
+    "{...}" is a template. Empty: not known.
     """
 
 
@@ -1246,6 +1270,12 @@ class StartShard(betterproto2.Message):
     """
     The engine versions the profile accepts, e.g. ">=0.30" or ">=0.30,<0.33" (empty: any).
     The agent compares it with the installed engine's own version before launching.
+    """
+
+    traceparent: "str" = betterproto2.field(70, betterproto2.TYPE_STRING)
+    """
+    W3C traceparent of the control plane's span that sent the command (empty: tracing
+    off): the agent's validation, launch and load are its children, one trace.
     """
 
 
