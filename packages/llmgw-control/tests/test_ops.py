@@ -18,6 +18,7 @@ from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer
 from llmgw_control.reconciler import Decision, Settings, reconcile
 from llmgw_control.records import ControlState, Drain, Start
 from llmgw_control.rollout import ReplicaView, rollout_step
+from llmgw_control.scaling import ScaleSpec, ScaleState, autoscale
 from llmgw_proto import v1
 
 S = v1.ShardState
@@ -423,3 +424,18 @@ def test_status_table_shows_the_overrides() -> None:
     assert "rollout m" in lines[4]
     assert "paused" in lines[4]
     assert render_operations({"operations": ops.progress(ops.Ops(), {}, 0.0)}) == []
+
+
+def test_scaled_to_zero_by_an_operator_stays_at_zero_on_demand() -> None:
+    cat = catalog(replicas={"min": 0, "max": 2})
+    o, _ = ops.apply(
+        ops.Ops(), ops.Verb("scale", "m", replicas=0), cat, nodes=[], replicas={}, now=0.0
+    )
+    spec = ops.effective_catalog(cat, o).get("m", "p")
+    assert spec is not None
+    scale = ScaleSpec(min=spec.min_replicas, max=spec.max_replicas)
+    decision = autoscale(scale, ScaleState(wanted=0), 0, [], 10.0, demand_at=9.0)
+    assert decision.wanted == 0
+    # Without the override, a router's demand starts one.
+    config = ScaleSpec(min=0, max=2)
+    assert autoscale(config, ScaleState(wanted=0), 0, [], 10.0, demand_at=9.0).wanted == 1

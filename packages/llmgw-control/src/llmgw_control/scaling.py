@@ -136,7 +136,12 @@ def autoscale(
     wanted = min(max(state.wanted, spec.min), spec.max)
     st = replace(state, wanted=wanted)
     if wanted == 0:
-        if demand_at is not None and (st.idle_since is None or demand_at > st.idle_since):
+        # max 0: an operator scaled it to zero (llmgw-control scale M 0): demand waits.
+        if (
+            spec.max > 0
+            and demand_at is not None
+            and (st.idle_since is None or demand_at > st.idle_since)
+        ):
             new = replace(st, wanted=1, over_since=None, under_since=None, idle_since=None)
             return ScaleDecision(1, new, "demand from a router: starting a replica")
         return ScaleDecision(0, st, "scaled to zero: no requests and no demand")
