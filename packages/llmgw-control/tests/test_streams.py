@@ -354,7 +354,8 @@ async def test_status_and_explain_commands(
         )  # fmt: skip
 
     out = await cli("status")
-    assert out.returncode == 0, out.stderr
+    # The huge replica cannot be placed: status says so, and exits 3 (issue 29.7).
+    assert out.returncode == 3, out.stderr
     assert "gpu-a" in out.stdout
     assert "READY" in out.stdout
     assert "1/4" in out.stdout
@@ -383,5 +384,5 @@ async def test_status_and_explain_commands(
     assert "model 'nope' is not in the catalog" in out.stderr
 
     out = await cli("status", "--json")
-    assert out.returncode == 0
+    assert out.returncode == 3
     assert '"node_id": "gpu-a"' in out.stdout

@@ -24,6 +24,7 @@ from llmgw_proto.tls import CertReloader, server_context
 
 from llmgw_control import __version__, keys_admin, keys_cli, operate, opscli
 from llmgw_control.admin import AdminServer
+from llmgw_control.attention import clip, local_time, watch_header
 from llmgw_control.auth import TokenError
 from llmgw_control.config import (
     ControlConfig,
@@ -178,12 +179,14 @@ def _reload(controller: Controller, path: Path) -> None:
     except ConfigError as err:
         # A bad edit must not take down what runs: keep the catalog we have.
         log.error("config reload refused; keeping the previous config", error=str(err))
+        controller.refuse_reload(str(err))
         return
     controller.reload(loaded)
 
 
 def _get(admin: str, path: str) -> tuple[int, Any]:
-    url = admin.rstrip("/") + path
+    # A URL, or a bare host:port (http:// assumed), as the operator verbs take it.
+    url = opscli._base(admin) + path
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - an admin URL
             return int(resp.status), json.loads(resp.read())
@@ -208,9 +211,10 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 admin_option = click.option(
     "--admin",
+    envvar="LLMGW_ADMIN",
     default=DEFAULT_ADMIN,
     show_default=True,
-    help="Base URL of the control plane's admin API.",
+    help="The control plane's admin API (URL or host:port; env LLMGW_ADMIN).",
 )
 
 
@@ -226,7 +230,12 @@ admin_option = click.option(
 )
 @admin_option
 def status(as_json: bool, watch: bool, interval: float, admin: str) -> None:
-    """Nodes, replicas, rollouts and what cannot be placed, as tables."""
+    """Nodes, replicas, rollouts and what cannot be placed, as tables.
+
+    Exits 3 when something needs attention (a node unreachable or lost, a replica
+    unplaced, failed or unreachable, a stopped rollout, a refused config reload), 1
+    when the admin API cannot be reached, 0 otherwise.
+    """
     while True:
         code, data = _get(admin, "/v1/status")
         if code != 200:
@@ -235,9 +244,12 @@ def status(as_json: bool, watch: bool, interval: float, admin: str) -> None:
         text = json.dumps(data, indent=2) if as_json else render_status(data)
         if not watch:
             click.echo(text)
-            return
-        # Clear the screen and draw again, like `watch` or `kubectl get -w`.
-        click.echo("\x1b[H\x1b[2J" + text, nl=True)
+            sys.stdout.flush()
+            sys.exit(3 if data.get("attention") else 0)
+        # Clear the screen and draw again, like `watch` or `kubectl get -w`, under the
+        # time of this view (local time) and whether anything needs attention.
+        head = watch_header(data.get("attention") or [], interval)
+        click.echo("\x1b[H\x1b[2J" + head + "\n\n" + text, nl=True)
         try:
             time.sleep(interval)
         except KeyboardInterrupt:
@@ -263,7 +275,7 @@ def _why(r: dict[str, Any]) -> str:
     if r["state"] == "unplaced":
         return str(r.get("reason") or "cannot be placed")
     if r["state"] == "backoff":
-        return f"retry in {r['retry_in']:g}s: {r['last_error']}"[:70]
+        return clip(f"retry in {r['retry_in']:g}s: {r['last_error']}", 70)
     if r.get("endpoint_warning"):
         return "endpoint unreachable by routers (see warnings)"
     if r["state"] == "draining":
@@ -356,9 +368,21 @@ def render_status(data: dict[str, Any]) -> str:
     out.extend(opscli.render_operations(data))
     for w in data.get("warnings") or []:
         out.append(f"WARNING {w['replica_id']}: {w['warning']}")
+    refused = data.get("config_reload_refused")
+    if refused:
+        out.append(
+            f"WARNING config reload refused at {local_time(refused['at'])}, the previous "
+            f"config runs: {refused['error']}"
+        )
     if data["unplaceable"]:
         out.append("UNPLACEABLE (llmgw-control explain MODEL for the rest)")
         out.extend(f"{u['replica_id']}: {u['explanation']}" for u in data["unplaceable"])
+    attention = data.get("attention") or []
+    if attention:
+        out.append(
+            f"NEEDS ATTENTION ({len(attention)})\n"
+            + "\n".join(f"- {item['text']}" for item in attention)
+        )
     return "\n\n".join(out)
 
 

@@ -115,6 +115,8 @@ class Controller:
         self.inventory = Inventory()
         self.state = ControlState(started_at=time.monotonic())
         self.started = dt.datetime.now(dt.UTC)
+        # The last refused reload, {at, error}, until one succeeds (status, the page).
+        self.reload_refused: dict[str, str] | None = None
         self.publisher = Publisher(self.metrics)
         self.publisher.on_demand = self.on_demand
         self.agents = AgentService(
@@ -545,12 +547,18 @@ class Controller:
         ):
             log.warning("listen, admin_listen and tls changes take effect after a restart")
         self.config = loaded.config
+        self.reload_refused = None
         before, self.config_catalog = self.config_catalog, loaded.catalog
         self.set_ops(operations.remember_previous(self.ops, before, loaded.catalog))
         self.settings = settings_of(loaded.config.control)
         self.agents.load_interval = float(loaded.config.control.load_interval)
         log.info("config reloaded", profiles=len(loaded.catalog.profiles))
         self._changed()
+
+    def refuse_reload(self, error: str) -> None:
+        """A reload (SIGHUP) whose file was refused: the previous config runs; status and
+        the page say so until a reload succeeds."""
+        self.reload_refused = {"at": dt.datetime.now(dt.UTC).isoformat(), "error": error}
 
     # --- what is published and shown ------------------------------------------------
 
@@ -651,6 +659,7 @@ class Controller:
             loads=self.publisher.loads.as_json(time.monotonic()),
             rollouts=self.rollouts,
             scaling=self.autoscaler.reasons,
+            reload_refused=self.reload_refused,
         )
 
     def status(self) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from typing import Any
 
 from llmgw_proto import v1
 
+from llmgw_control.attention import needs_attention
 from llmgw_control.catalog import Catalog
-from llmgw_control.inventory import Node
+from llmgw_control.inventory import Node, NodeState
 from llmgw_control.publish import EndpointInfo
 from llmgw_control.records import ControlState, Replica, replica_state
 
@@ -45,6 +46,8 @@ class Fleet:
     # (model, profile) -> rollout and autoscaling state, as JSON.
     rollouts: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
     scaling: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
+    # The last refused config reload, {at, error}, until one succeeds.
+    reload_refused: Mapping[str, str] | None = None
 
 
 def _iso(value: dt.datetime | None) -> str | None:
@@ -57,7 +60,7 @@ def status(f: Fleet) -> dict[str, Any]:
         _replica(f, r)
         for r in sorted(f.state.replicas.values(), key=lambda r: (r.model, r.profile, r.replica_id))
     ]
-    return {
+    out = {
         "started": _iso(f.started),
         # Every wake-up of the loop; a tick with no new input and no deadline due
         # decides "nothing to do" without running the pass; full_passes are those run.
@@ -76,7 +79,12 @@ def status(f: Fleet) -> dict[str, Any]:
         ],
         "rollouts": [{"model": m, "profile": p, **r} for (m, p), r in sorted(f.rollouts.items())],
         "scaling": [{"model": m, "profile": p, **r} for (m, p), r in sorted(f.scaling.items())],
+        "config_reload_refused": dict(f.reload_refused) if f.reload_refused else None,
     }
+    # What a person should look at (llmgw_control.attention): status's last lines and
+    # exit status, the page's banner.
+    out["attention"] = needs_attention(out)
+    return out
 
 
 def summary(f: Fleet) -> dict[str, Any]:
@@ -196,6 +204,8 @@ def _replica(f: Fleet, r: Replica) -> dict[str, Any]:
     for p in r.shards:
         node = f.nodes.get(p.node_id)
         report = node.shards.get(p.shard_id) if node is not None else None
+        # A node that does not answer: its last report is no news of the shard.
+        heard = node is not None and node.state == NodeState.READY
         if p.rank == 0 and report is not None:
             leader_url = report.endpoint_url
         shards.append(
@@ -205,7 +215,13 @@ def _replica(f: Fleet, r: Replica) -> dict[str, Any]:
                 "rank": p.rank,
                 "gpu_indices": list(p.gpu_indices),
                 "port": p.port,
-                "state": v1.ShardState(report.state).name.lower() if report else "unknown",
+                "state": (
+                    v1.ShardState(report.state).name.lower()
+                    if report and heard
+                    else "unknown"
+                    if report is None
+                    else "unreachable"
+                ),
                 "pid": report.pid if report else 0,
                 "endpoint_url": report.endpoint_url if report else "",
             }
@@ -217,7 +233,8 @@ def _replica(f: Fleet, r: Replica) -> dict[str, Any]:
         "model": r.model,
         "profile": r.profile,
         "state": state,
-        "adopted": r.adopted,
+        # Adopted: found running at a restart. An unplaced replica runs nowhere.
+        "adopted": r.adopted and r.placed,
         "nodes": [p.node_id for p in r.shards],
         # The agent's URL: exactly what routers are given.
         "endpoint": published.url if published else (leader_url or None),
