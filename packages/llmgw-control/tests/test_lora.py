@@ -145,6 +145,15 @@ def test_full_replica_unloads_its_least_recently_used() -> None:
     assert plan(reps, demand) == [Action("unload", "a", "old"), Action("load", "a", "x")]
 
 
+def test_every_replica_full_evicts_the_fleets_least_recently_used() -> None:
+    reps = [
+        ReplicaView("a", 0, 1, frozenset({"warm"})),
+        ReplicaView("b", 9, 1, frozenset({"cold"})),
+    ]
+    demand = {"warm": Demand(last_used=50), "cold": Demand(last_used=10), "x": Demand(held=1)}
+    assert plan(reps, demand) == [Action("unload", "b", "cold"), Action("load", "b", "x")]
+
+
 def test_held_adapter_already_held_or_loading_is_left_alone() -> None:
     reps = [
         ReplicaView("a", 0, 2, frozenset({"x"})),

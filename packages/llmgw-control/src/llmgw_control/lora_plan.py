@@ -6,8 +6,9 @@ held at routers for want of a holder, its recent request rate, when it was last 
 Output: load and unload actions, in the order to send them.
 
 - An adapter with requests held and no holder (nor a load under way) is loaded at once
-  on the least loaded replica; a full replica first unloads its least recently used
-  adapter (never one being loaded, never one with requests held, never one used within
+  on the least loaded replica with a free slot; when every replica is full, the one
+  whose least recently used adapter is the least recently used of all unloads it first
+  (LRU fleet-wide; never an adapter being loaded, with requests held, or used within
   ``min_idle`` seconds: routers may still be sending it requests there).
 - A hot adapter (more than ``hot_rate`` requests a second per holder) gains a holder,
   one per pass, on the least loaded replica that does not hold it, evicting there only
@@ -106,19 +107,23 @@ def plan(
         return oldest
 
     def place(adapter: str, among: list[_Replica], newer_than: float | None) -> bool:
-        for rep in sorted(among, key=lambda r: (r.load, len(r.taken), r.view.id)):
-            if len(rep.taken) >= rep.view.capacity:
-                out = victim(rep, newer_than)
-                if out is None:
-                    continue
-                rep.taken.discard(out)
-                actions.append(Action("unload", rep.view.id, out))
-            rep.taken.add(adapter)
-            # What it adds to the replica's load, so the next placement spreads.
-            rep.load += 1.0
-            actions.append(Action("load", rep.view.id, adapter))
-            return True
-        return False
+        # A free slot on the least loaded replica; else, all full, the replica whose
+        # least recently used adapter is the least recently used of all (LRU fleet-wide).
+        free = [r for r in among if len(r.taken) < r.view.capacity]
+        if free:
+            rep = min(free, key=lambda r: (r.load, len(r.taken), r.view.id))
+        else:
+            outs = [(out, r) for r in among if (out := victim(r, newer_than)) is not None]
+            if not outs:
+                return False
+            out, rep = min(outs, key=lambda o: (last_used(o[0]), o[1].load, o[1].view.id))
+            rep.taken.discard(out)
+            actions.append(Action("unload", rep.view.id, out))
+        rep.taken.add(adapter)
+        # What it adds to the replica's load, so the next placement spreads.
+        rep.load += 1.0
+        actions.append(Action("load", rep.view.id, adapter))
+        return True
 
     def holders(adapter: str) -> list[_Replica]:
         return [r for r in reps if adapter in r.taken]
