@@ -5,7 +5,8 @@ optional session key, the request's prompt prefix blocks and the time of the cho
 never reads the clock. Modules: ``base`` (the candidate protocols, :class:`Pick` and its
 reasons, the :class:`Balancer` interface), ``simple`` (least outstanding, round robin,
 session affinity), ``cache_aware`` (the default), ``index`` (what cache_aware remembers
-sending to an endpoint), ``model`` (its capacity and time-to-first-token model),
+sending to an endpoint), ``model`` (its capacity and time-to-first-token model), ``placement`` (its shared rule
+for prefixes' homes),
 ``make`` (a balancer by name), ``prefix`` (a prompt as chained block hashes).
 """
 

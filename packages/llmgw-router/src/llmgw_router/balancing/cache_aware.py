@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from llmgw_router.balancing.base import Balancer, L, Pick
 from llmgw_router.balancing.index import MASK, PrefixIndex
 from llmgw_router.balancing.model import cache_room, ttft_costs
+from llmgw_router.balancing.placement import place
 
 __all__ = ["CacheAware"]
 
@@ -55,9 +56,17 @@ class CacheAware(Balancer[L]):
     - Capacity: where an engine's cache size is known (``cache_blocks``, in prefix
       blocks), what this router remembers sending there is an LRU of that size (what it
       drops, the engine has most likely evicted: a prefix that no longer fits is no
-      longer counted as held), and a new prefix's home is the first of its rendezvous
-      choices whose live prefixes (blocks sent within the last ``window`` picks) still
-      leave room for it; where none has room, its first rendezvous choice.
+      longer counted as held), and a prefix's home is given by a shared rule
+      (placement.place) instead of its first rendezvous choice: a stable matching of the
+      prefixes of this router's last ``window`` picks (each by its rendezvous block and
+      its size, what its last two prompts share) to the endpoints, within each cache
+      less an eighth (left for the requests in flight). Its inputs are what every router
+      of a fleet has alike (the endpoints, their cache sizes, the prompts), not this
+      router's sends or loads, so routers that saw the same prefixes give each the same
+      home. (Placing by this router's own record of what it sent, first come first
+      placed, had routers that saw the tenants in other orders disagree.) A prefix held
+      elsewhere is not moved to a home that changed (a move is a miss): it goes there
+      once this router's record of its holder has dropped it.
     - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
       block_time * evicted``: the prefill queued there, the prompt's blocks it does not
       hold, and the live blocks of other prefixes this one would push out of a full cache
@@ -102,6 +111,15 @@ class CacheAware(Balancer[L]):
         self._recent_counts: dict[int, int] = {}
         # Picks where the engines' reported caches named the holders (precise matching).
         self.engine_cache_picks = 0
+        # The shared placement rule (placement.place): each recent prefix's size in
+        # blocks, and the homes computed for the last inputs (None: compute again).
+        self._sizes: dict[int, int] = {}
+        self._last: dict[int, Sequence[int]] = {}
+        self._ranks: dict[int, list[tuple[int, float]]] = {}
+        self._homes: dict[int, int] | None = None
+        self._homes_for: tuple[tuple[str, int, int], ...] = ()
+        self._keys_version = 0
+        self._homes_version = -1
 
     # -------------------------------------------------------------- prefix state
 
@@ -155,7 +173,10 @@ class CacheAware(Balancer[L]):
         """The share of the recent picks (this one included) whose rendezvous block is ``key``."""
         recent, counts = self._recent, self._recent_counts
         recent.append(key)
-        counts[key] = counts.get(key, 0) + 1
+        seen = counts.get(key, 0)
+        counts[key] = seen + 1
+        if not seen:
+            self._keys_version += 1
         if len(recent) > self.window:
             old = recent.popleft()
             left = counts[old] - 1
@@ -163,6 +184,7 @@ class CacheAware(Balancer[L]):
                 counts[old] = left
             else:
                 del counts[old]
+                self._keys_version += 1
         # Until the window fills, as if the rest of it were other prefixes (16 at least),
         # so the first requests of a run do not all look hot.
         return counts[key] / max(len(recent), min(16, self.window))
@@ -176,6 +198,10 @@ class CacheAware(Balancer[L]):
         return [ready[i] for i in self._rendezvous(ready, prefix[depth - 1])]
 
     def _rendezvous(self, ready: Sequence[L], key: int) -> list[int]:
+        return [i for i, _ in self._scored(ready, key)]
+
+    def _scored(self, ready: Sequence[L], key: int) -> list[tuple[int, float]]:
+        """``ready``'s positions in rendezvous order for ``key``, each with its score."""
         weights = [c.weight for c in ready]
         uniform = all(w == weights[0] for w in weights)
         scored: list[tuple[float, str, int]] = []
@@ -191,7 +217,59 @@ class CacheAware(Balancer[L]):
             )
             scored.append((score, c.id, i))
         scored.sort(reverse=True)
-        return [r[2] for r in scored]
+        return [(r[2], r[0]) for r in scored]
+
+    def _home(self, ready: Sequence[L], key: int, prefix: Sequence[int]) -> int | None:
+        """The shared placement rule's home (a position in ``ready``) for the prefix whose
+        rendezvous block is ``key`` (placement.place over the prefixes of this router's
+        last ``window`` picks); None where no engine's cache size is known."""
+        capacities = [c.cache_blocks for c in ready]
+        if not any(capacities):
+            return None
+        # An eighth of each cache is left for the requests in flight and their own
+        # (unshared) blocks, which push the least recently used prefixes out too.
+        capacities = [cap - cap // 8 for cap in capacities]
+        inputs = tuple((c.id, c.weight, cap) for c, cap in zip(ready, capacities, strict=True))
+        if inputs != self._homes_for:
+            self._ranks.clear()
+            self._homes = None
+        size = self._size(key, prefix)
+        sizes = self._sizes
+        if sizes.get(key) != size:
+            sizes[key] = size
+            self._homes = None
+        homes = self._homes
+        if homes is None or key not in homes or self._homes_version != self._keys_version:
+            keys = set(self._recent_counts)
+            keys.add(key)
+            for gone in [k for k in sizes if k not in keys]:
+                del sizes[gone]
+                self._ranks.pop(gone, None)
+                self._last.pop(gone, None)
+            ranks = self._ranks
+            for k in keys:
+                if k not in ranks:
+                    ranks[k] = self._scored(ready, k)
+            homes = self._homes = place(ranks, sizes, capacities)
+            self._homes_for = inputs
+            self._homes_version = self._keys_version
+        return homes[key]
+
+    def _size(self, key: int, prefix: Sequence[int]) -> int:
+        """A prefix's size for the placement rule, in blocks: what its last two prompts
+        (``prefix`` and the one before it with this rendezvous block) share, the whole
+        prompt the first time; rounded up to 4 blocks. The same on every router that saw
+        two such prompts, whatever their own tails."""
+        last = self._last.get(key)
+        self._last[key] = prefix
+        common = len(prefix)
+        if last is not None:
+            common = 0
+            for a, b in zip(last, prefix, strict=False):  # the shorter decides
+                if a != b:
+                    break
+                common += 1
+        return -(-max(1, common) // 4) * 4
 
     def _matches(
         self, ready: Sequence[L], prefix: Sequence[int], depth: int
@@ -283,6 +361,11 @@ class CacheAware(Balancer[L]):
         block = prefix[depth - 1]
         self._turn += 1
         order = self._rendezvous(ready, block)
+        first_choice = order[0]
+        home_at = None if self._mostly_distinct() else self._home(ready, block, prefix)
+        if home_at is not None and home_at != first_choice:
+            order.remove(home_at)
+            order.insert(0, home_at)
         # Precise: where the engines report their caches and one holds more of this
         # prompt than the others, that is what holds it; else what this router sent.
         engine: list[int] | None = None
@@ -322,12 +405,13 @@ class CacheAware(Balancer[L]):
                     rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
                     ranking, reason = rest, "distinct"
                 else:
-                    room = cache_room(ready, self.footprint)
-                    fits = [i for i in rest if (free := room[i]) is None or free >= miss[i]]
-                    if fits and fits[0] != rest[0]:
-                        rest = fits + [i for i in rest if i not in fits]
+                    if home_at is None:
+                        room = cache_room(ready, self.footprint)
+                        fits = [i for i in rest if (free := room[i]) is None or free >= miss[i]]
+                        if fits and fits[0] != rest[0]:
+                            rest = fits + [i for i in rest if i not in fits]
                     ranking = rest
-                    reason = "rendezvous" if ranking[0] == order[0] else "capacity"
+                    reason = "rendezvous" if ranking[0] == first_choice else "capacity"
                     new = True
             elif (
                 engine is None
