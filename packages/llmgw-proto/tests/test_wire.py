@@ -147,6 +147,7 @@ MESSAGE_NAMES = [
     "StartShard", "MultiNode", "StopShard", "DrainShard", "WatchRequest", "EndpointSnapshot",
     "Endpoint", "EngineInfo", "LoadReport", "EngineLoad", "CacheEvents", "DeclaredModel",
     "LoadUpdate", "EndpointLoad", "EndpointCache", "DemandRequest", "DemandReply",
+    "LogsRequest", "LogsCredit", "LogsCancel", "LogsChunk",
 ]  # fmt: skip
 
 
