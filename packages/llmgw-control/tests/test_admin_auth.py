@@ -135,3 +135,21 @@ def test_token_file_made_owner_only_and_checked(tmp_path: Path) -> None:
         load_token(path, create=False)
     with pytest.raises(TokenError, match="no such file"):
         load_token(tmp_path / "none", create=False)
+
+
+def test_ca_issue_admin(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from llmgw_control.cli import main
+    from llmgw_proto.tls import read_identity
+
+    ca = str(tmp_path / "ca")
+    runner = CliRunner()
+    assert runner.invoke(main, ["ca", "init", "--dir", ca]).exit_code == 0
+    done = runner.invoke(main, ["ca", "issue", "--dir", ca, "--admin", "alice"])
+    assert done.exit_code == 0, done.output
+    assert "admin certificate" in done.output
+    cert = ssl._ssl._test_decode_cert(str(tmp_path / "ca" / "admin-alice.crt"))  # type: ignore[attr-defined]
+    assert read_identity(cert).role == "admin"
+    both = runner.invoke(main, ["ca", "issue", "--dir", ca, "--admin", "a", "--node", "b"])
+    assert both.exit_code != 0
+    assert "exactly one of --node NAME, --router NAME, --admin NAME" in both.output
