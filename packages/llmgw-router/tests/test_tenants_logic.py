@@ -23,6 +23,7 @@ from llmgw_router.tenants.config import QueueConfig, TenantsConfig
 from llmgw_router.tenants.fair import FairQueue
 from llmgw_router.tenants.gate import Share, Tenancy, Usage, estimate_tokens, lookup_secret
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation, reset_text
+from llmgw_router.workers.merge import MetricsMerger
 
 # ---------------------------------------------------------------------------- limits
 
@@ -405,3 +406,15 @@ async def test_a_held_request_that_leaves_gives_its_place_back() -> None:
         await held
     assert (gate.in_flight, len(gate.queue)) == (0, 0)
     await tenancy.close()
+
+
+def test_workers_queue_lengths_add_up() -> None:
+    def scrape(held: int) -> str:
+        return (
+            "# HELP llmgw_router_queue_length held\n# TYPE llmgw_router_queue_length gauge\n"
+            f'llmgw_router_queue_length{{key="a",priority="batch"}} {held}.0\n'
+        )
+
+    merger = MetricsMerger()
+    text = merger.render(merger.merge({1: scrape(3), 2: scrape(4)})).decode()
+    assert 'llmgw_router_queue_length{key="a",priority="batch"} 7.0' in text

@@ -13,8 +13,8 @@ __all__ = ["QueueConfig", "TenantsConfig", "check_tenants"]
 class QueueConfig(BaseConfig):
     """When the engines a request could go to are full, it is held here, by priority."""
 
-    # Full: this router's requests in flight for the model reach this many per usable
-    # endpoint. 0: no such cap.
+    # Full: this router process's (worker's) requests in flight for the model reach this
+    # many per usable endpoint. 0: no such cap.
     per_endpoint: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # Full: every endpoint of the model reports (load reports) at least this many
     # requests waiting in its engine. 0: the engines' queues are not looked at.

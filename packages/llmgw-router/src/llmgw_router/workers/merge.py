@@ -16,7 +16,13 @@ __all__ = ["SUMMED_GAUGES", "MetricsMerger", "parse_metrics", "per_worker"]
 # fleet (endpoint states, snapshot version, engine load), is the same in every worker
 # and is shown once (the highest value).
 SUMMED_GAUGES = frozenset(
-    {"llmgw_router_in_flight", "llmgw_router_held_requests", "llmgw_router_token_cache_bytes"}
+    {
+        "llmgw_router_in_flight",
+        "llmgw_router_held_requests",
+        "llmgw_router_token_cache_bytes",
+        # Tenants: requests held in each worker's fair-share queue.
+        "llmgw_router_queue_length",
+    }
 )
 
 _SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]
