@@ -400,3 +400,10 @@ def test_refusal(path: str, body: bytes, why: str | None) -> None:
 @given(extra=extra_params)
 def test_ordinary_streams_are_resumable(extra: dict[str, Any]) -> None:
     assert refusal(CHAT_PATH, _chat(**extra)) is None
+
+
+@given(body=st.one_of(st.binary(max_size=200), extra_params.map(msgspec.json.encode)))
+def test_any_body_gets_a_reason_not_a_traceback(body: bytes) -> None:
+    for path in (CHAT_PATH, COMPLETIONS_PATH):
+        why = refusal(path, body)
+        assert why is None or isinstance(why, str)

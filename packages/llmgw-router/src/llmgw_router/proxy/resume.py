@@ -74,7 +74,7 @@ class _Facts(msgspec.Struct):
     suffix: str | None = None
     response_format: _ResponseFormat | None = None
     prompt: msgspec.Raw = msgspec.Raw(b"null")
-    messages: list[_Message] | None = None
+    messages: msgspec.Raw = msgspec.Raw(b"null")
     continue_final_message: bool = False
     guided_json: msgspec.Raw = msgspec.Raw(b"null")
     guided_regex: msgspec.Raw = msgspec.Raw(b"null")
@@ -86,6 +86,7 @@ class _Facts(msgspec.Struct):
 
 
 _decode_facts = msgspec.json.Decoder(_Facts).decode
+_decode_messages = msgspec.json.Decoder(list[_Message] | None).decode
 _NULLS = (b"null", b"false", b"0", b"")
 
 
@@ -123,7 +124,12 @@ def refusal(path: str, body: bytes) -> str | None:
         if not (raw.startswith(b'"') or (raw.startswith(b'["') and _one_string(raw))):
             return "prompt_not_text"
     elif facts.continue_final_message:
-        last = facts.messages[-1] if facts.messages else None
+        # The client's own prefill: its text must be a string to append to.
+        try:
+            messages = _decode_messages(facts.messages)
+        except msgspec.DecodeError:
+            return "body"
+        last = messages[-1] if messages else None
         if last is None or not bytes(last.content).strip().startswith(b'"'):
             return "content_parts"
     return None
