@@ -164,3 +164,26 @@ def test_anthropic_error_shape() -> None:
     assert json.loads(routes.error_body("/v1/responses", err))["error"]["code"] == (
         "model_not_found"
     )
+
+
+def test_only_replicas_that_serve_the_route_are_candidates() -> None:
+    from llmgw_router.endpoints import Endpoint, EndpointSpec
+    from llmgw_router.proxy.prepare import serving
+
+    def ep(name: str, routes: set[str]) -> Endpoint:
+        return Endpoint(
+            spec=EndpointSpec(name, f"http://{name}:1", ("m",), routes=frozenset(routes))
+        )
+
+    rerank, chat, unknown = (
+        ep("a", {"/v1/rerank"}),
+        ep("b", {"/v1/chat/completions"}),
+        ep("c", set()),
+    )
+    assert serving((rerank, chat, unknown), "/v1/rerank", "m") == (rerank, unknown)
+    with pytest.raises(ApiError) as caught:
+        serving((chat,), "/v1/rerank", "m")
+    assert caught.value.status == 404
+    assert caught.value.code == "route_not_served"
+    assert "/v1/rerank" in caught.value.message
+    assert "`m`" in caught.value.message

@@ -7,7 +7,7 @@ import contextlib
 import signal
 
 import structlog
-from llmgw_proto import v1
+from llmgw_proto import tracing, v1
 from llmgw_proto.tls import CertReloader, client_context
 
 from llmgw_agent import __version__
@@ -154,5 +154,10 @@ def run_agent(config: AgentConfig) -> int:
         loop.add_signal_handler(signal.SIGHUP, _on_hangup)
         await Agent(config).run(stop)
 
-    asyncio.run(main())
+    # Spans of shard starts, when `tracing.endpoint` is set; flushed at exit.
+    tracing.configure(config.tracing, "llmgw-agent")
+    try:
+        asyncio.run(main())
+    finally:
+        tracing.shutdown()
     return 0

@@ -18,6 +18,7 @@ from llmgw_proto.config import BaseConfig, ConfigError, Duration, convert, read
 from llmgw_proto.keepalive import keepalive_problem
 from llmgw_proto.sizes import parse_size
 from llmgw_proto.tls import TlsConfig
+from llmgw_proto.tracing import TracingConfig, check_config
 
 __all__ = [
     "AgentConfig",
@@ -114,6 +115,9 @@ class AgentConfig(BaseConfig):
     stable_after: Duration = Duration(10.0)
     # Default false: an agent upgrade must not take engines down.
     stop_engines_on_exit: bool = False
+    # OpenTelemetry spans of shard starts over OTLP/HTTP (llmgw_proto.tracing); off unless
+    # an endpoint is set.
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     @property
     def node_name(self) -> str:
@@ -165,6 +169,7 @@ def _check(config: AgentConfig, source: str) -> AgentConfig:
     for key in config.labels:
         if not key:
             raise ConfigError(source, "label names must not be empty", "$.labels")
+    check_config(config.tracing, source)
     return config
 
 

@@ -30,8 +30,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import structlog
-from llmgw_proto import v1
+from llmgw_proto import tracing, v1
 
+from llmgw_agent import serving
 from llmgw_agent.adapters import (
     adapter_for,
     redacted_argv,
@@ -130,6 +131,10 @@ class Supervisor:
 
     def start(self, start: v1.StartShard) -> v1.CommandResult:
         """Validate and launch; returns at once (loading is watched in the background)."""
+        with serving.start_span(start):
+            return self._start(start)
+
+    def _start(self, start: v1.StartShard) -> v1.CommandResult:
         result = v1.CommandResult(command_id=start.command_id, ok=True)
         if start.shard_id in self.engines:
             result.error = (
@@ -138,7 +143,8 @@ class Supervisor:
             return result
         self._emit_for(start, S.VALIDATING, reason="checking the profile before launch")
         view = self.node_view()
-        decided = plan(start, self.config, view, self.probes)
+        with tracing.span("agent.validate"):
+            decided = plan(start, self.config, view, self.probes)
         if isinstance(decided, Refused):
             # A port another program holds (not a shard of this agent) is named apart,
             # so control places the retry on another one instead of this one again.
@@ -153,10 +159,12 @@ class Supervisor:
                 start, "validation failed: " + "; ".join(decided.problems), ports_taken=taken
             )
         try:
-            engine = self._spawn(decided)
+            with tracing.span("agent.launch"):
+                engine = self._spawn(decided)
         except OSError as err:
             return self._refuse(start, f"could not launch {decided.launch.argv[0]!r}: {err}")
         self.engines[start.shard_id] = engine
+        serving.launched(start.shard_id)
         self._emit(engine, S.STARTING, reason=f"launched pid {engine.pid}")
         engine.lifecycle = asyncio.create_task(self._run(engine), name=f"shard {start.shard_id}")
         return result
@@ -220,6 +228,7 @@ class Supervisor:
                     port=start.port,
                     pid=engine.pid,
                     api_key=engine.record.launch.api_key,
+                    routes=serving.routes_of(start.shard_id),
                     rank=multi.rank if multi else 0,
                     world_size=max(1, multi.size) if multi else 1,
                     started_at=datetime.datetime.fromtimestamp(
@@ -492,21 +501,23 @@ class Supervisor:
         ports_taken: list[int] | None = None,
     ) -> None:
         self.sink(
-            v1.ShardStatus(
-                shard_id=start.shard_id,
-                replica_id=start.replica_id,
-                state=state,
-                reason=reason,
-                output_tail=tail,
-                time=now(),
-                ports_taken=ports_taken or [],
+            serving.stamp(
+                v1.ShardStatus(
+                    shard_id=start.shard_id,
+                    replica_id=start.replica_id,
+                    state=state,
+                    reason=reason,
+                    output_tail=tail,
+                    time=now(),
+                    ports_taken=ports_taken or [],
+                )
             )
         )
 
     def _emit(self, engine: Engine, state: v1.ShardState, *, reason: str = "") -> None:
         status = engine.transition(state, reason, tail_lines=self.config.output_tail_lines)
         log.info("shard transition", shard=engine.shard_id, state=state.name, reason=status.reason)
-        self.sink(status)
+        self.sink(serving.stamp(status))
 
     async def _run(self, engine: Engine) -> None:
         """Watch one engine from launch (or adoption) to its exit, then report the end."""
@@ -531,12 +542,14 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(engine.pid, signal.SIGKILL)
         how = exit_text(engine)
+        serving.load_done(engine.shard_id, engine.record.started_at, f"exited: {how}")
         if engine.stop_reason and not engine.fail_reason:
             self._emit(engine, S.STOPPED, reason=f"{engine.stop_reason} ({how})")
         else:
             reason = engine.fail_reason or f"engine exited by itself: {how}"
             self._emit(engine, S.FAILED, reason=reason)
         engine.path.unlink(missing_ok=True)
+        serving.forget(engine.shard_id)
         if self.engines.get(engine.shard_id) is engine:
             del self.engines[engine.shard_id]
         engine.done.set()
@@ -569,6 +582,10 @@ class Supervisor:
             await asyncio.sleep(interval)
         if engine.stop_reason or engine.exited.is_set():
             return
+        launch = record.launch
+        routes = await serving.read_routes(engine.start.engine, launch.health_url, launch.api_key)
+        serving.remember_routes(engine.shard_id, routes)
+        serving.load_done(engine.shard_id, record.started_at, "ready")
         self._emit(engine, S.READY, reason="health check passed")
         engine.save()
 

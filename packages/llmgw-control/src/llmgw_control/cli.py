@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 import structlog
+from llmgw_proto import tracing
 from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
 from llmgw_proto.grpc_limits import log_too_large
@@ -78,6 +79,8 @@ def serve(config_path: Path, insecure: bool) -> None:
     problem = tls_problem(loaded.config, insecure, str(config_path))
     if problem is not None:
         fail(str(problem))
+    # Spans of placements and starts, when `tracing.endpoint` is set; flushed at exit.
+    tracing.configure(loaded.config.tracing, "llmgw-control")
     try:
         asyncio.run(
             _serve(loaded, config_path, loaded.config.tls.with_insecure_flag(insecure).insecure)
@@ -89,6 +92,8 @@ def serve(config_path: Path, insecure: bool) -> None:
         fail(f"admin API: {err}", code=2)
     except OSError as err:
         fail(f"cannot serve: {err}", code=1)
+    finally:
+        tracing.shutdown()
 
 
 async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:

@@ -25,6 +25,8 @@ import msgspec
 from llmgw_proto.addr import HostPort, parse_hostport
 from llmgw_proto.config import BaseConfig, ConfigError, Duration, load
 from llmgw_proto.tls import TlsConfig
+from llmgw_proto.tracing import TracingConfig
+from llmgw_proto.tracing import check_config as check_tracing
 
 from llmgw_control.auth import AdminAuth
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
@@ -126,6 +128,9 @@ class ControlConfig(BaseConfig):
     models: list[ModelConfig] = []
     state: StateSettings = msgspec.field(default_factory=StateSettings)
     ha: HaSettings | None = None
+    # OpenTelemetry spans of placements and starts over OTLP/HTTP (llmgw_proto.tracing);
+    # off unless an endpoint is set.
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ def check(config: ControlConfig, source: str) -> Catalog:
         raise ConfigError(
             source, f"port range {lo}-{hi} is empty: write [low, high]", "$.control.port_range"
         )
+    check_tracing(config.tracing, source)
     if c.interval <= 0:
         raise ConfigError(source, "interval must be > 0", "$.control.interval")
     if c.load_interval <= 0:

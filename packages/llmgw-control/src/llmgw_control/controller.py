@@ -17,10 +17,11 @@ import time
 from typing import Any
 
 import structlog
-from llmgw_proto import v1
+from llmgw_proto import tracing, v1
 
 from llmgw_control import ops as operations
 from llmgw_control import status as status_view
+from llmgw_control import traces
 from llmgw_control.agent_service import AgentService, Session
 from llmgw_control.autoscaler import Autoscaler
 from llmgw_control.bounds import admit_shard, clip_status, status_problem
@@ -38,7 +39,15 @@ from llmgw_control.publish import (
     engine_generation,
 )
 from llmgw_control.reconciler import Settings, reconcile
-from llmgw_control.records import Command, ControlState, Drain, Stop, replica_state, unsend
+from llmgw_control.records import (
+    Command,
+    ControlState,
+    Drain,
+    Start,
+    Stop,
+    replica_state,
+    unsend,
+)
 from llmgw_control.store.keeper import StateKeeper
 from llmgw_control.store.persist import Restored
 
@@ -284,6 +293,7 @@ class Controller:
                 )
             return
         clip_status(msg, bounds)
+        traces.shard_status(session.node_id, msg)
         self.inventory.shard_status(session.node_id, session.session_id, msg, time.monotonic())
         self.keeper.node_changed(session.node_id)
         log.info(
@@ -484,7 +494,14 @@ class Controller:
 
     def _dispatch(self, command: Command) -> None:
         command_id = f"{self._prefix}-{next(self._ids)}"
-        msg = self._message(command, command_id)
+        if tracing.enabled() and isinstance(command, Start):
+            with traces.sending_start(command, command_id):
+                self._send(command, command_id)
+        else:
+            self._send(command, command_id)
+
+    def _send(self, command: Command, command_id: str) -> None:
+        msg = traces.stamp_start(self._message(command, command_id))
         if not self.agents.send(command.node_id, command_id, msg):
             unsend(self.state, command)
             self._dirty = True
@@ -602,6 +619,7 @@ class Controller:
                     generation=engine_generation(leader.shard_id, report.pid),
                     engine=profile.engine,
                     api_key=report.api_key,
+                    routes=report.routes,
                 )
             )
         for rid, text in problems.items():

@@ -103,6 +103,8 @@ class ShardReport:
     api_key: str = field(default="", repr=False)
     # On a refusal: the ports another program holds on the node (placed around a while).
     ports_taken: tuple[int, ...] = ()
+    # The HTTP paths the engine serves, as the agent read them at READY (): not known.
+    routes: tuple[str, ...] = ()
 
     @property
     def running(self) -> bool:
@@ -209,6 +211,7 @@ class Inventory:
                 world_size=max(s.world_size, 1),
                 updated=now,
                 api_key=s.api_key,
+                routes=tuple(s.routes),
             )
         self.nodes[node.node_id] = node
         return node
@@ -241,6 +244,7 @@ class Inventory:
         if msg.state == v1.ShardState.READY:
             # READY names the engine's secret (empty: it takes none); later states do not.
             report.api_key = msg.api_key
+            report.routes = tuple(msg.routes)
         report.pid = msg.pid or report.pid
         # A report first made from a status (not from Register) learns here what the
         # shard holds, so its port and GPUs stay taken even after its replica moves.

@@ -62,6 +62,8 @@ class EndpointInfo(NamedTuple):
     shard_id: str = ""
     # The secret the engine's port requires: sent to routers only, never shown.
     api_key: str = ""
+    # The HTTP paths the engine serves (the agent read them at READY); (): not known.
+    routes: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         shown = self._replace(api_key="***") if self.api_key else self
@@ -82,6 +84,7 @@ class EndpointInfo(NamedTuple):
             generation=self.generation,
             engine=_ENGINES.get(self.engine, v1.EngineKind.UNSPECIFIED),
             api_key=self.api_key,
+            routes=list(self.routes),
         )
 
 

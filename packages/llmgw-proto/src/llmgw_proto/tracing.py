@@ -257,19 +257,29 @@ def span(
     return _live(tracer, name, parent, links, attrs)
 
 
-def record(name: str, seconds: float, **attrs: object) -> None:
-    """A finished child span of the current one that ends now and lasted ``seconds``
-    (a wait measured on the way, such as the time to an engine's first byte)."""
+def record(name: str, seconds: float, *, parent: str | None = None, **attrs: Any) -> str | None:
+    """A finished span that ends now and lasted ``seconds`` (a wait measured on the way,
+    such as the time to an engine's first byte), a child of the current span or of
+    ``parent`` (a traceparent); its own traceparent (None when off)."""
     tracer = _tracer
     if tracer is None:
-        return
+        return None
     import time
 
+    from opentelemetry.trace import NonRecordingSpan, set_span_in_context
+
+    remote = _remote(parent)
+    context = set_span_in_context(NonRecordingSpan(remote)) if remote is not None else None
     end = time.time_ns()
     child = tracer.start_span(
-        name, start_time=end - int(max(0.0, seconds) * 1e9), attributes=_clean(attrs)
+        name,
+        context=context,
+        start_time=end - int(max(0.0, seconds) * 1e9),
+        attributes=_clean(attrs),
     )
     child.end(end_time=end)
+    sc = child.get_span_context()
+    return format_traceparent(sc.trace_id, sc.span_id, sc.trace_flags.sampled)
 
 
 def current() -> NoSpan:

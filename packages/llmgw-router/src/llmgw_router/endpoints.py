@@ -79,6 +79,9 @@ class EndpointSpec:
     # The engine's secret, sent upstream as Authorization: Bearer (from the control
     # plane); never shown (/v1/endpoints, logs) and never the client's own header.
     api_key: str = field(default="", repr=False)
+    # The HTTP paths the engine serves (from the control plane: the agent read them);
+    # empty: not known, and the endpoint is sent any route.
+    routes: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False, slots=True)

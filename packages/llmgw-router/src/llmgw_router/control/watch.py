@@ -102,6 +102,7 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         labels=tuple(sorted(ep.labels.items())),
         generation=ep.generation,
         api_key=ep.api_key if _HEADER_VALUE.fullmatch(ep.api_key) else "",
+        routes=frozenset(ep.routes),
     )
 
 

@@ -30,6 +30,8 @@ class Prepared:
     response_id: str = ""
     # Response ids in the answer are rewritten to name the endpoint (/v1/responses).
     rewrite_ids: bool = False
+    # The route an endpoint must serve (its engine's paths, Endpoint.routes).
+    route: str = ""
 
 
 def prepare(
@@ -39,10 +41,10 @@ def prepare(
     if path in routes.JSON_ROUTES:
         head = parse_head(body, with_prompt)
         if path != routes.RESPONSES_PATH:
-            return Prepared(head, path, body)
+            return Prepared(head, path, body, route=path)
         previous = routes.previous_response(body)
         if previous is None:
-            return Prepared(head, path, body, rewrite_ids=True)
+            return Prepared(head, path, body, rewrite_ids=True, route=path)
         endpoint_id, _, new_body = previous
         return Prepared(
             head,
@@ -51,6 +53,7 @@ def prepare(
             pinned=endpoint_id,
             response_id=_previous_id(body),
             rewrite_ids=True,
+            route=path,
         )
     if path in routes.FORM_ROUTES:
         model = routes.form_field(body, headers.get(b"content-type", b""), "model")
@@ -61,7 +64,7 @@ def prepare(
                 param="model",
                 code="invalid_request",
             )
-        return Prepared(RequestHead(model=model), path, body)
+        return Prepared(RequestHead(model=model), path, body, route=path)
     call = routes.stored_call(path)
     if call is None:
         return None
@@ -80,6 +83,7 @@ def prepare(
         pinned=endpoint_id,
         response_id=call.response_id,
         rewrite_ids=True,
+        route=routes.RESPONSES_PATH,
     )
 
 
@@ -103,6 +107,8 @@ def _gone(response_id: str, endpoint_id: str) -> ApiError:
 def pin(ctx: RequestContext, prepared: Prepared, state: RouterState) -> None:
     """Send the request only to the endpoint that stored its response; rewrite ids."""
     ctx.method = prepared.method
+    if prepared.route:
+        ctx.candidates = serving(ctx.candidates, prepared.route, ctx.model)
     if prepared.pinned:
         found: Endpoint | None = None
         for ep in state.endpoints.for_model(ctx.model) or ():
@@ -113,6 +119,20 @@ def pin(ctx: RequestContext, prepared: Prepared, state: RouterState) -> None:
         ctx.candidates = (found,)
     if prepared.rewrite_ids:
         ctx.wrap = IdRewritten.wrap
+
+
+def serving(candidates: tuple[Endpoint, ...], route: str, model: str) -> tuple[Endpoint, ...]:
+    """The candidates whose engine serves ``route`` (one that did not say: any route);
+    none: a 404 naming the route and the model."""
+    found = tuple(ep for ep in candidates if not ep.spec.routes or route in ep.spec.routes)
+    if not found:
+        raise ApiError(
+            404,
+            f"No replica of the model `{model}` serves {route}",
+            param="model",
+            code="route_not_served",
+        )
+    return found
 
 
 class IdRewritten(Response):
