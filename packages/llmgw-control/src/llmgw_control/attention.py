@@ -63,7 +63,14 @@ def needs_attention(status: Mapping[str, Any]) -> list[dict[str, str]]:
         what = _BAD_REPLICA.get(str(r.get("state")))
         if what is None:
             continue
-        why = r.get("reason") or r.get("last_error") or r.get("explanation") or ""
+        # Unplaced: the placer's reason; failed: the last failure; unreachable: the node.
+        why = (
+            r.get("reason") or r.get("explanation") or ""
+            if r.get("state") == "unplaced"
+            else ""
+            if r.get("state") == "unreachable"
+            else r.get("last_error") or ""
+        )
         text = f"{r['model']}/{r['profile']} replica {r['replica_id']} {what}"
         out.append(
             {

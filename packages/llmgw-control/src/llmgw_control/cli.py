@@ -36,6 +36,7 @@ from llmgw_control.config import (
     tls_problem,
 )
 from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
+from llmgw_control.history import run_sampler
 from llmgw_control.leading import Leading
 from llmgw_control.store import StoreError
 from llmgw_control.tls_gate import GatedServer
@@ -157,6 +158,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     housekeeping = [
         asyncio.create_task(keep_heap()),
         asyncio.create_task(watch_loop_lag(controller.metrics)),
+        asyncio.create_task(run_sampler(controller.history, controller.model_figures)),
     ]
     if reloader is not None:
         housekeeping.append(asyncio.create_task(reloader.run()))

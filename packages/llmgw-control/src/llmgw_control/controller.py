@@ -27,6 +27,7 @@ from llmgw_control.autoscaler import Autoscaler
 from llmgw_control.bounds import admit_shard, clip_status, status_problem
 from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
+from llmgw_control.history import History, ModelFigures, model_rows
 from llmgw_control.inventory import Inventory, NodeState
 from llmgw_control.loads import Figures
 from llmgw_control.lora import LoraManager
@@ -126,6 +127,8 @@ class Controller:
         self.started = dt.datetime.now(dt.UTC)
         # The last refused reload, {at, error}, until one succeeds (status, the page).
         self.reload_refused: dict[str, str] | None = None
+        # An hour of per-model figures for the status page (cli.serve runs the sampler).
+        self.history = History()
         self.publisher = Publisher(self.metrics)
         self.publisher.on_demand = self.on_demand
         self.agents = AgentService(
@@ -572,6 +575,20 @@ class Controller:
         log.info("config reloaded", profiles=len(loaded.catalog.profiles))
         self._changed()
 
+    def model_figures(self) -> list[ModelFigures]:
+        """Per model now: wanted, ready, running, waiting, KV use (llmgw_control.history)."""
+        now = time.monotonic()
+        loads = self.publisher.loads.as_json(now)
+        wanted: dict[str, int] = {}
+        for p in self.catalog.profiles:
+            wanted[p.model] = wanted.get(p.model, 0) + self._wanted.get(p.key, p.replicas)
+        replicas = (
+            (r.model, replica_state(r, self.inventory.nodes, now), loads.get(r.replica_id))
+            for r in self.state.replicas.values()
+            if not r.draining
+        )
+        return model_rows(wanted, replicas)
+
     def refuse_reload(self, error: str) -> None:
         """A reload (SIGHUP) whose file was refused: the previous config runs; status and
         the page say so until a reload succeeds."""
@@ -678,6 +695,8 @@ class Controller:
             rollouts=self.rollouts,
             scaling=self.autoscaler.reasons,
             reload_refused=self.reload_refused,
+            models=[m.as_json() for m in self.model_figures()],
+            history=self.history.as_json(),
         )
 
     def status(self) -> dict[str, Any]:

@@ -48,6 +48,9 @@ class Fleet:
     scaling: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
     # The last refused config reload, {at, error}, until one succeeds.
     reload_refused: Mapping[str, str] | None = None
+    # Per model now, and the last hour of it (llmgw_control.history): the page's rows.
+    models: list[dict[str, Any]] = field(default_factory=list)
+    history: Mapping[str, Any] | None = None
 
 
 def _iso(value: dt.datetime | None) -> str | None:
@@ -80,6 +83,8 @@ def status(f: Fleet) -> dict[str, Any]:
         "rollouts": [{"model": m, "profile": p, **r} for (m, p), r in sorted(f.rollouts.items())],
         "scaling": [{"model": m, "profile": p, **r} for (m, p), r in sorted(f.scaling.items())],
         "config_reload_refused": dict(f.reload_refused) if f.reload_refused else None,
+        "models": f.models,
+        "history": dict(f.history) if f.history is not None else None,
     }
     # What a person should look at (llmgw_control.attention): status's last lines and
     # exit status, the page's banner.
