@@ -107,3 +107,44 @@ def test_a_lone_router_is_granted_what_is_left() -> None:
 
 def _near(got: dict[str, float], **want: float) -> bool:
     return all(math.isclose(got[r], v, rel_tol=1e-6) for r, v in want.items())
+
+
+@given(
+    st.integers(1, 10**6),
+    routers,
+    st.lists(st.tuples(st.integers(0, 7), st.floats(0, 1e6)), max_size=100),
+)
+def test_rate_shares_held_never_sum_above_the_limit_while_demand_moves(
+    limit: int, names: list[str], reports: list[tuple[int, float]]
+) -> None:
+    """Routers report in any order with any demand; each gets its target bounded by
+    what the others hold: the shares held never sum above the limit."""
+    demand = dict.fromkeys(names, 0.0)
+    held: dict[str, float] = {}
+    for which, want in reports:
+        r = names[which % len(names)]
+        demand[r] = shares.smooth(demand[r], want, 0.25)
+        target = shares.split(float(limit), demand)[r]
+        held[r] = shares.bounded(target, float(limit), {o: v for o, v in held.items() if o != r})
+        assert math.fsum(held.values()) <= limit * (1 + 1e-9)
+        assert held[r] >= 0
+
+
+def test_held_shares_settle_on_the_targets() -> None:
+    """Once every router has reported twice with steady demand, each holds its target."""
+    demand = {"a": 900.0, "b": 100.0}
+    held: dict[str, float] = {"a": 0.0, "b": 95.0}
+    for _ in range(2):
+        for r in ("a", "b"):
+            target = shares.split(100.0, demand)[r]
+            held[r] = shares.bounded(target, 100.0, {o: v for o, v in held.items() if o != r})
+    assert _near(held, a=86.0, b=14.0)
+
+
+@given(st.one_of(st.none(), st.floats(0, 1e6)), st.floats(0, 1e6), st.floats(0, 100))
+def test_smoothed_demand_lies_between_the_old_and_the_new(
+    previous: float | None, current: float, elapsed: float
+) -> None:
+    got = shares.smooth(previous, current, elapsed)
+    low, high = sorted((current, current if previous is None else previous))
+    assert low - 1e-6 <= got <= high + 1e-6

@@ -120,8 +120,13 @@ def test_rate_shares_follow_demand_across_two_routers() -> None:
     t = tenants()
     t.create("k", {"rpm": 100, "max_concurrent": 10})
     t.report(report("a", 1, k={"demand_rpm": 900.0}))
+    # b came second: a held the whole limit, so b gets what a gives back at its next
+    # report; the shares held never sum above the limit meanwhile.
     b = share(t.report(report("b", 1, k={"demand_rpm": 100.0})), "k")
+    assert b.rpm < 1
     a = share(t.report(report("a", 2, k={"demand_rpm": 900.0})), "k")
+    assert a.rpm + b.rpm <= 100
+    b = share(t.report(report("b", 2, k={"demand_rpm": 100.0})), "k")
     assert a.rpm + b.rpm <= 100
     assert a.rpm > 4 * b.rpm > 0
     assert a.max_concurrent + b.max_concurrent == 10

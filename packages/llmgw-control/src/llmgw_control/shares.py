@@ -9,6 +9,9 @@ no share limit (its *demand*). For each limited key the control plane divides
   gets its demand and what is left is split evenly (headroom for a burst), and when
   they do not, each gets its part in proportion to its demand. The shares sum to the
   limit, never above it, and a router's share never falls as its demand grows.
+  Demand is smoothed over a few seconds (:func:`smooth`), and a router is given at
+  most what the others' shares held leave (:func:`bounded`), so the shares held at
+  the routers never sum above the limit while they move.
 - a concurrency limit the same way, in whole requests (each router at least 1).
 - a token budget as *grants*: tokens of what is left of the period that a router may
   hold reserved until its next report. A router's target is its demand-weighted part
@@ -21,10 +24,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["FLOOR", "grant", "split", "split_whole"]
+__all__ = ["FLOOR", "SMOOTHING", "bounded", "grant", "smooth", "split", "split_whole"]
 
 # The part of a limit split evenly among the routers, whatever their demand.
 FLOOR = 0.1
+# Seconds over which a router's reported demand is smoothed: a report covers a second or
+# less, in which a few requests look like a large rate, and shares that follow each
+# report's figures swing from router to router.
+SMOOTHING = 3.0
 # Shares are scaled down by this much so that rounding never sums them above the limit.
 _SAFE = 1 - 1e-9
 
@@ -89,3 +96,21 @@ def grant(
     target = math.floor(split(float(remaining), wants)[router])
     free = remaining - sum(v for r, v in others.items() if r != router)
     return max(0, min(target, free))
+
+
+def smooth(previous: float | None, current: float, elapsed: float) -> float:
+    """Demand averaged exponentially over :data:`SMOOTHING` seconds (``elapsed`` since
+    the previous figure; the first figure is taken as it is)."""
+    current = current if current > 0 and math.isfinite(current) else 0.0
+    if previous is None:
+        return current
+    weight = 1 - math.exp(-max(elapsed, 0.0) / SMOOTHING)
+    return previous + weight * (current - previous)
+
+
+def bounded(target: float, limit: float, others: Mapping[str, float]) -> float:
+    """A router's new share: its ``target`` (from :func:`split`), but no more than the
+    other routers' shares outstanding leave of ``limit``; they move to their own targets
+    at their next reports, so the shares held never sum above the limit, even while
+    demand moves. A router that just came may get 0 until the others have reported."""
+    return max(0.0, min(target, limit - math.fsum(others.values())))

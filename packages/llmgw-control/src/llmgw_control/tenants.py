@@ -133,6 +133,8 @@ class Tenants:
         self.routers: dict[str, RouterSeen] = {}
         # router id -> (until, key -> tokens): budget grants outstanding.
         self.grants: dict[str, tuple[float, dict[str, int]]] = {}
+        # (key, "rpm"|"tpm"|"concurrency") -> router -> (share, until): rate shares held.
+        self.held: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
         self.version = int(time.time() * 1000)
         self._keeper = keeper
         self.leading = leading
@@ -175,6 +177,7 @@ class Tenants:
                 continue
             self.grants[g.router] = (g.until, dict(g.grants))
         self.routers = {}
+        self.held = {}
         self._changed()
         log.info("keys restored", keys=len(self.keys), grants=len(self.grants))
 
@@ -184,6 +187,7 @@ class Tenants:
         self.book = UsageBook()
         self.routers = {}
         self.grants = {}
+        self.held = {}
         self._changed()
 
     def _changed(self) -> None:
@@ -347,21 +351,33 @@ class Tenants:
         router = report.router_id
         fresh = self.book.fresh(report.instance, report.sequence)
         deltas: list[tuple[str, Counts]] = []
+        before = self.routers.get(router)
         seen = RouterSeen(at=now)
+        wanted: dict[str, tuple[float, float, int]] = {}
         for u in report.usage:
             if u.key not in self.keys:
                 continue  # a key of the router's own config: not counted here
-            seen.demand[u.key] = (
-                _finite(u.demand_rpm),
-                _finite(u.demand_tpm),
-                u.in_flight,
-            )
+            wanted[u.key] = (u.demand_rpm, u.demand_tpm, u.in_flight)
             c = Counts.clean(
                 u.requests, u.prompt_tokens, u.completion_tokens, u.errors, u.refused,
                 u.held_seconds, now,
             )  # fmt: skip
             if c != Counts():
                 deltas.append((u.key, c))
+        # Demand smoothed per router and key; a key it stopped reporting fades out.
+        elapsed = now - before.at if before is not None else 0.0
+        for name in wanted.keys() | (before.demand.keys() if before is not None else set()):
+            if name not in self.keys:
+                continue
+            was = before.demand.get(name, (0.0, 0.0, 0)) if before is not None else None
+            rpm, tpm, in_flight = wanted.get(name, (0.0, 0.0, 0))
+            d = (
+                shares.smooth(was[0] if was else None, rpm, elapsed),
+                shares.smooth(was[1] if was else None, tpm, elapsed),
+                in_flight,
+            )
+            if d[0] > 1e-3 or d[1] > 1e-3 or in_flight:
+                seen.demand[name] = d
         self.routers[router] = seen
         if fresh:
             for kind, key, value in self.book.add(report.instance, report.sequence, deltas, now):
@@ -400,15 +416,19 @@ class Tenants:
             tpm_d = {r: s.demand.get(name, (0.0, 0.0, 0))[1] for r, s in active.items()}
             share = v1.KeyShare(key=name)
             if key.rpm:
-                share.rpm = shares.split(float(key.rpm), rpm_d)[router]
+                target = shares.split(float(key.rpm), rpm_d)[router]
+                share.rpm = self._hold(name, "rpm", router, target, key.rpm, now)
             if key.tpm:
-                share.tpm = shares.split(float(key.tpm), tpm_d)[router]
+                target = shares.split(float(key.tpm), tpm_d)[router]
+                share.tpm = self._hold(name, "tpm", router, target, key.tpm, now)
             if key.max_concurrent:
                 busy = {
                     r: s.demand.get(name, (0.0, 0.0, 0))[2] + rpm_d[r] / 60
                     for r, s in active.items()
                 }
-                share.max_concurrent = shares.split_whole(key.max_concurrent, busy)[router]
+                whole = shares.split_whole(key.max_concurrent, busy)[router]
+                held = self._hold(name, "concurrency", router, whole, key.max_concurrent, now)
+                share.max_concurrent = math.floor(held)
             if key.budget_tokens:
                 used = self.period_used(key, now)
                 if self.metrics is not None:
@@ -428,6 +448,19 @@ class Tenants:
             value = msgspec.json.encode(_Grants(router, until, granted))
             self._put(GRANTS, instance_key(router), value)
         return out
+
+    def _hold(
+        self, name: str, dim: str, router: str, target: float, limit: int, now: float
+    ) -> float:
+        """``router``'s share of ``limit``: its target, within what the others' unexpired
+        shares leave (:func:`llmgw_control.shares.bounded`); held for VALID_FOR."""
+        held = self.held.setdefault((name, dim), {})
+        others = {r: v for r, (v, until) in held.items() if r != router and until > now}
+        value = shares.bounded(target, float(limit), others)
+        held[router] = (value, now + VALID_FOR)
+        for r in [r for r, (_, until) in held.items() if until <= now]:
+            del held[r]
+        return value
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -453,10 +486,6 @@ def report_problem(report: v1.UsageReport) -> str | None:
     if not report.instance or len(report.instance) > MAX_ID:
         return f"instance: 1 to {MAX_ID} characters, got {len(report.instance)}"
     return None
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) and x > 0 else 0.0
 
 
 def _iso(at: float) -> str:
