@@ -83,6 +83,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 timeout=60,
                 what=f"engine {ep['id']}",
             )
+        # A model whose only endpoint is gone: the router's 502/503 answers.
+        endpoints.append({"id": "dead", "url": f"http://127.0.0.1:{free_port()}", "models": ["m9"]})
         routers.append(_router(tmp, endpoints))
         routers.append(_router(tmp, endpoints))
         yield sims, routers
@@ -182,6 +184,15 @@ def test_messages_errors_in_anthropic_shape(fleet: Fleet) -> None:
     assert body["type"] == "error"
     assert body["error"]["type"] == "not_found_error"
     assert "nope" in body["error"]["message"]
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        _anthropic(r1).messages.create(
+            model="m9", max_tokens=5, messages=[{"role": "user", "content": "Hi"}]
+        )
+    assert failed.value.status_code in (502, 503)
+    body = failed.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert body["error"]["type"] in ("api_error", "overloaded_error")
     resp = httpx.post(r1.url + "/v1/messages", content=b"{not json", timeout=10)
     assert resp.status_code == 400
     assert resp.json()["error"]["type"] == "invalid_request_error"

@@ -187,3 +187,18 @@ def test_only_replicas_that_serve_the_route_are_candidates() -> None:
     assert caught.value.code == "route_not_served"
     assert "/v1/rerank" in caught.value.message
     assert "`m`" in caught.value.message
+
+
+def test_engine_errors_on_messages_are_in_anthropic_shape() -> None:
+    from llmgw_router.errors import error_body as openai_body
+
+    body = openai_body("upstream failed for model `m`: connect", "upstream_error", None, "connect")
+    assert json.loads(routes.in_shape("/v1/messages", 502, body)) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "upstream failed for model `m`: connect"},
+    }
+    assert json.loads(routes.in_shape("/v1/messages", 529, b"not json"))["error"] == {
+        "type": "overloaded_error",
+        "message": "upstream answered 529",
+    }
+    assert routes.in_shape("/v1/responses", 502, body) == body

@@ -27,6 +27,7 @@ from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, r
 from llmgw_router.proxy.relay import Relay, response_headers
 from llmgw_router.proxy.resumable import ResumableRelay, StreamBroken
 from llmgw_router.proxy.resume import Decision, Splice, continuation, decide, refusal
+from llmgw_router.proxy.routes import in_shape
 from llmgw_router.retry import RetryPolicy, Verdict, after_failure
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import ConnectError, Pool, Response, UpstreamError
@@ -208,19 +209,17 @@ class Exchange:
         if failure.response is not None:
             # The engine's own answer, in the router's (OpenAI's) error shape.
             status, headers, payload = failure.response
-            await respond(send, status, openai_error(status, payload), other_headers(headers))
+            body = openai_error(status, payload)
+            await respond(send, status, in_shape(ctx.path, status, body), other_headers(headers))
         else:
             status = 504 if failure.reason.startswith("timeout") else 502
-            await respond(
-                send,
-                status,
-                error_body(
-                    f"upstream failed for model `{ctx.model}`: {failure.detail}",
-                    "upstream_error",
-                    None,
-                    failure.reason,
-                ),
+            body = error_body(
+                f"upstream failed for model `{ctx.model}`: {failure.detail}",
+                "upstream_error",
+                None,
+                failure.reason,
             )
+            await respond(send, status, in_shape(ctx.path, status, body))
         ctx.status, ctx.endpoint = status, ep.id
 
     async def _attempt_traced(

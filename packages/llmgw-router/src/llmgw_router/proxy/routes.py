@@ -43,6 +43,7 @@ __all__ = [
     "encode_id",
     "error_body",
     "form_field",
+    "in_shape",
     "methods_for",
     "stored_call",
 ]
@@ -288,6 +289,24 @@ def anthropic_error_body(status: int, message: str) -> bytes:
     """``{"type": "error", "error": {"type", "message"}}``, as Anthropic's API answers."""
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})
+
+
+class _OpenAIError(msgspec.Struct):
+    class Detail(msgspec.Struct):
+        message: str = ""
+
+    error: Detail = msgspec.field(default_factory=Detail)
+
+
+def in_shape(path: str, status: int, openai_body: bytes) -> bytes:
+    """An OpenAI-shaped error body as written on ``path`` (Anthropic's on /v1/messages)."""
+    if path != MESSAGES_PATH:
+        return openai_body
+    try:
+        message = msgspec.json.decode(openai_body, type=_OpenAIError).error.message
+    except msgspec.DecodeError:
+        message = ""
+    return anthropic_error_body(status, message or f"upstream answered {status}")
 
 
 def error_body(path: str, err: ApiError) -> bytes:
