@@ -226,10 +226,13 @@ def test_bands_in_order_and_lengths_kept(ops: list[tuple[str, int, str, int]]) -
             live[n] = (band, key)
             n += 1
         elif op == "pop":
+            band_next = q.next_band()
             held = q.pop()
             if held is None:
                 assert not live
+                assert band_next is None
                 continue
+            assert held.band == band_next
             assert all(b >= held.band for b, _ in live.values())
             del live[held.item]
         elif handles:
@@ -418,3 +421,28 @@ def test_workers_queue_lengths_add_up() -> None:
     merger = MetricsMerger()
     text = merger.render(merger.merge({1: scrape(3), 2: scrape(4)})).decode()
     assert 'llmgw_router_queue_length{key="a",priority="batch"} 7.0' in text
+
+
+async def test_headroom_lets_a_higher_band_past_a_full_lower_one() -> None:
+    tenancy = _tenancy(queue=QueueConfig(per_endpoint=1, headroom=1, max_wait=Duration(30.0)))
+    ep = Endpoint(spec=EndpointSpec(id="e", url="http://127.0.0.1:1", models=("m",)))
+    batch = ApiKey(b"b", "bulk", frozenset(), priority="batch")
+    chat = ApiKey(b"c", "chat", frozenset(), priority="interactive")
+    first = await tenancy.admit(batch, "m", (ep,), b"{}")
+    # The lowest band is at the cap: a second batch request is held ...
+    held = asyncio.create_task(tenancy.admit(batch, "m", (ep,), b"{}"))
+    await _yield()
+    gate = tenancy.gates["m"]
+    assert (gate.in_flight, len(gate.queue)) == (1, 1)
+    # ... while an interactive one goes at once, into the headroom.
+    second = await tenancy.admit(chat, "m", (ep,), b"{}")
+    assert (gate.in_flight, len(gate.queue)) == (2, 1)
+    # Two in flight: the held batch request waits until one of them ends, and then
+    # until the lowest band's cap is free again.
+    tenancy.done(second, 1, 1, 200)
+    assert not held.done()
+    tenancy.done(first, 1, 1, 200)
+    third = await held
+    assert gate.in_flight == 1
+    tenancy.done(third, 1, 1, 200)
+    await tenancy.close()

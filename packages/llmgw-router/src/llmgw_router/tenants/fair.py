@@ -109,6 +109,16 @@ class FairQueue(Generic[T]):
                 return held
         return None
 
+    def next_band(self) -> int | None:
+        """The band :meth:`pop` would serve now; None when nothing is held."""
+        for i, b in enumerate(self._bands):
+            heap = b.heap
+            while heap and heap[0].gone:
+                heapq.heappop(heap)
+            if heap:
+                return i
+        return None
+
     def shed(self) -> Held[T] | None:
         """The victim when over the bound: the newest item of the lowest band holding any."""
         for b in reversed(self._bands):

@@ -318,15 +318,19 @@ class Tenancy:
         gate.candidates = candidates
         return gate
 
-    def full(self, gate: _Gate, at: float) -> bool:
-        """The model's engines take no more now: this router's cap per endpoint, or
-        every engine reporting requests waiting."""
+    def full(self, gate: _Gate, at: float, band: int = 0) -> bool:
+        """The model's engines take no more of ``band`` now: this router's cap per
+        endpoint (every band but the lowest may go `headroom` past it), or every engine
+        reporting requests waiting."""
         queue = self.config.queue
         candidates = gate.candidates
         usable = [ep for ep in candidates if ep.usable(at)] or list(candidates)
         if not usable:
             return False
-        if queue.per_endpoint and gate.in_flight >= queue.per_endpoint * len(usable):
+        cap = queue.per_endpoint
+        if cap and band < len(self.bands) - 1:
+            cap += queue.headroom
+        if cap and gate.in_flight >= cap * len(usable):
             return True
         if queue.engine_waiting:
             for ep in usable:
@@ -344,7 +348,7 @@ class Tenancy:
     ) -> None:
         gate = self._gate(ticket.model, candidates)
         at = now()
-        if not len(gate.queue) and not self.full(gate, at):
+        if not len(gate.queue) and not self.full(gate, at, band):
             gate.in_flight += 1
             return
         loop = asyncio.get_running_loop()
@@ -406,7 +410,11 @@ class Tenancy:
         if not len(queue):
             return
         at = now()
-        while len(queue) and not self.full(gate, at):
+        while True:
+            band = queue.next_band()
+            # The best held request cannot go: a lower band could not either.
+            if band is None or self.full(gate, at, band):
+                break
             held = queue.pop()
             if held is None:
                 break
