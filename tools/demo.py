@@ -172,11 +172,20 @@ def say(text: str) -> None:
     print(f"\n==> {text}", flush=True)
 
 
-def run(*argv: str) -> str:
+def run(*argv: str, ok: tuple[int, ...] = (0,)) -> str:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
+    if done.returncode not in ok:
         sys.exit(f"{' '.join(argv)} failed:\n{done.stderr}")
     return done.stdout
+
+
+def simulated(real: bool) -> None:
+    if not real:
+        print(
+            "    (simulated: llmgw-sim stands in for the engine and makes this text up;"
+            " `nox -s demo -- --real` runs a real model on this CPU)",
+            flush=True,
+        )
 
 
 def make_certs(setup: Setup) -> None:
@@ -533,6 +542,7 @@ def tour(
                     print(chunk.choices[0].delta.content, end="", flush=True)
                 if chunk.usage:
                     print(usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+            simulated(args.real)
         else:
             say("a streaming completion through the router (official openai client)")
             print(f"$ {setup.chat_model}> {setup.prompt}", end="", flush=True)
@@ -548,12 +558,22 @@ def tour(
                     print(part.choices[0].text, end="", flush=True)
                 if part.usage:
                     print(usage(part.usage.prompt_tokens, part.usage.completion_tokens))
+            simulated(args.real)
 
         say("llmgw-control status")
-        print(run(bin_path("llmgw-control"), "status", "--admin", admin))
+        # status exits 3 when something needs attention: still worth showing here.
+        print(run(bin_path("llmgw-control"), "status", "--admin", admin, ok=(0, 3)))
         say(f"llmgw-control explain {setup.explain}")
         print(run(bin_path("llmgw-control"), "explain", setup.explain, "--admin", admin))
 
+        # The programs are in this environment, not necessarily on the user's PATH.
+        say(
+            f"the status page: http://127.0.0.1:{admin_port}/\n"
+            f"    the CLI, from another terminal: {bin_path('llmgw-control')} status"
+            f" --admin 127.0.0.1:{admin_port}\n"
+            f"    (or: export PATH={Path(bin_path('llmgw-control')).parent}:$PATH"
+            f" LLMGW_ADMIN=127.0.0.1:{admin_port}; llmgw-control status)"
+        )
         if not args.once:
             route = "chat/completions" if setup.api == "chat" else "completions"
             say(
