@@ -35,7 +35,8 @@ def _holders(cluster: Cluster, adapter: str) -> list[str]:
 def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(cluster: Cluster) -> None:
     profile = vllm_profile(
         replicas=2,
-        lora={"max_loras": 1, "max_rank": 16},
+        # Unused for 1 s before it may be unloaded: the router reports use every 200 ms.
+        lora={"max_loras": 1, "max_rank": 16, "min_idle": "1s"},
         env={"LLMGW_SIM_LORA_LOAD_TIME": "0.2"},
     )
     model = {

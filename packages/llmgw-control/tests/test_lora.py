@@ -42,6 +42,7 @@ def test_adapters_and_engine_flags(tmp_path: Path) -> None:
     assert catalog.adapter("gemma") is None
     p = catalog.profiles[0]
     assert p.max_loras == 3
+    assert p.lora_min_idle == 10.0
     assert p.engine_args[-5:] == ("--enable-lora", "--max-loras", "3", "--max-lora-rank", "32")
     assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True") in p.env
     sg = load_control_config(write(tmp_path, [base("sglang", max_loras=2)])).catalog.profiles[0]
@@ -107,6 +108,11 @@ def test_lora_flags_pass_the_engine_help(tmp_path: Path, engine: str) -> None:
             "llama-server",
         ),
         (lambda m: m["profiles"]["default"]["lora"].update(max_loras=0), "max_loras", ""),
+        (
+            lambda m: m["profiles"]["default"]["lora"].update(min_idle="-1s"),
+            "lora.min_idle",
+            "a duration",
+        ),
     ],
 )
 def test_adapter_errors_name_the_field(tmp_path: Path, change: Any, field: str, words: str) -> None:

@@ -76,6 +76,9 @@ class LoraConfig(BaseConfig):
 
     max_loras: Positive = 4
     max_rank: Positive = 16
+    # An adapter used more recently than this is not unloaded for another: keep it above
+    # the routers' hold.demand_interval (they report use that often).
+    min_idle: Duration = Duration(10.0)
 
 
 class AdapterConfig(BaseConfig):
@@ -145,8 +148,10 @@ class ProfileSpec:
     idle_after: float = 600.0
     max_surge: int = 1
     max_unavailable: int = 0
-    # LoRA adapters the engine holds at once (0: it serves none).
+    # LoRA adapters the engine holds at once (0: it serves none), and how long one must
+    # go unused before it is unloaded for another.
     max_loras: int = 0
+    lora_min_idle: float = 10.0
     # What replicas spread over: "node", "none" or a node label (placement.Demand).
     spread: str = "node"
 
@@ -423,5 +428,6 @@ def _check_profile(
         max_surge=profile.rollout.max_surge,
         max_unavailable=profile.rollout.max_unavailable,
         max_loras=profile.lora.max_loras if profile.lora is not None else 0,
+        lora_min_idle=float(profile.lora.min_idle) if profile.lora is not None else 10.0,
         spread=spread,
     )

@@ -68,12 +68,8 @@ Send = Callable[[str, str, v1.ControlMessage], bool]
 
 
 class LoraManager:
-    def __init__(
-        self, registry: CollectorRegistry, *, hot_rate: float = 8.0, min_idle: float = 10.0
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry, *, hot_rate: float = 8.0) -> None:
         self.hot_rate = hot_rate
-        # An adapter used more recently than this is not unloaded for another.
-        self.min_idle = min_idle
         self.demand: dict[str, _AdapterDemand] = {}
         self._sent: dict[str, _Sent] = {}
         self._ids = itertools.count(1)
@@ -150,6 +146,10 @@ class LoraManager:
             views: list[ReplicaView] = []
             info: dict[str, EndpointInfo] = {}
             removed: list[Action] = []
+            # An adapter used within this is not unloaded for another (the profiles' lora.min_idle).
+            min_idle = max(
+                (p.lora_min_idle for p in catalog.of_model(model) if p.max_loras > 0), default=10.0
+            )
             for ep in endpoints:
                 profile = catalog.get(ep.model, ep.profile)
                 if ep.model != model or profile is None or profile.max_loras <= 0:
@@ -183,7 +183,7 @@ class LoraManager:
             demand = {a: d.view(now) for a, d in self.demand.items() if a in names}
             for action in [
                 *removed,
-                *plan(views, demand, hot_rate=self.hot_rate, now=now, min_idle=self.min_idle),
+                *plan(views, demand, hot_rate=self.hot_rate, now=now, min_idle=min_idle),
             ]:
                 ep = info[action.replica]
                 command_id = f"{prefix}-{next(self._ids)}"
