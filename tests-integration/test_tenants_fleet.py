@@ -5,7 +5,8 @@ routers (each its own router id), shared by the tests of this module in order: a
 revocation refuses the key at both routers within 2 s; a budget raced by 50
 concurrent requests through both routers ends at or under the budget; a key's rate
 limit holds for the fleet (not per router) under uneven traffic; a control-plane
-restart keeps the budget's usage and the budget still holds after it.
+restart keeps the budget's usage and the budget still holds after it; the status page
+shows the keys.
 """
 
 from __future__ import annotations
@@ -244,3 +245,31 @@ def test_a_control_restart_keeps_the_budget_usage(
     assert set(codes) <= {200, 429}, codes
     row = settled_usage(cluster, "team-budget", before["usage"]["requests"] + codes.count(200))
     assert row["budget_used"] <= BUDGET
+
+
+CHROMIUM = os.environ.get("LLMGW_CHROMIUM", "/usr/bin/chromium")
+
+
+def test_the_status_page_shows_the_keys(fleet: tuple[Cluster, list[Router]]) -> None:
+    cluster, _ = fleet
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install -y chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{cluster.admin_port}/")
+            row = page.locator('#keys tr[data-key="team-budget"]')
+            row.wait_for(timeout=30_000)
+            text = row.inner_text()
+            assert re.search(rf"\b\d+ of {BUDGET} / day\b", text), text
+            revoked = page.locator('#keys tr[data-key="team-rev (revoked)"]')
+            revoked.wait_for(timeout=30_000)
+        finally:
+            browser.close()
