@@ -4,8 +4,10 @@ queue (fair.py), OpenAI's reset format, and the config's rules."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_proto.config import ConfigError, Duration, load
-from llmgw_proto.v1 import UsageReply
+from llmgw_proto.v1 import ApiKey as WireKey
+from llmgw_proto.v1 import KeySet, UsageReply
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys, validate
 from llmgw_router.control.keys import KeysClient
 from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
@@ -446,3 +449,59 @@ async def test_headroom_lets_a_higher_band_past_a_full_lower_one() -> None:
     assert gate.in_flight == 1
     tenancy.done(third, 1, 1, 200)
     await tenancy.close()
+
+
+class _FakeStream:
+    """One call on :class:`_FakeChannel`: it breaks at once, or streams key sets."""
+
+    def __init__(self, broken: bool, sets: list[KeySet]) -> None:
+        self.broken = broken
+        self.sets = sets
+
+    async def __aenter__(self) -> _FakeStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def send_message(self, message: object, end: bool = False) -> None:
+        if self.broken:
+            raise ConnectionResetError("connection reset by peer")
+
+    async def _each(self) -> AsyncIterator[KeySet]:
+        for keyset in self.sets:
+            yield keyset
+        await asyncio.Event().wait()
+
+    def __aiter__(self) -> AsyncIterator[KeySet]:
+        return self._each()
+
+
+class _FakeChannel:
+    def __init__(self, sets: list[KeySet]) -> None:
+        self.calls = 0
+        self.sets = sets
+
+    def request(self, *args: object, **kwargs: object) -> _FakeStream:
+        self.calls += 1
+        return _FakeStream(self.calls == 1, self.sets)
+
+
+async def test_a_broken_key_stream_is_tried_again() -> None:
+    tenancy = _tenancy()
+    client = KeysClient(tenancy, "r1", backoff=(0.01, 0.01))
+    wire = WireKey(name="a", prefix="llmgw_0a1b2c3d", sha256="ab" * 32, rpm=5)
+    channel = _FakeChannel([KeySet(version=7, keys=[wire])])
+    task = asyncio.create_task(client.watch(channel))  # type: ignore[arg-type]
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while tenancy.keys_version != 7:
+            assert not task.done(), task
+            assert asyncio.get_running_loop().time() < deadline, "no key set after a reset"
+            await asyncio.sleep(0.01)
+        assert set(tenancy.by_prefix) == {"llmgw_0a1b2c3d"}
+        assert channel.calls == 2
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -102,6 +102,10 @@ class KeysClient:
                     if err.status is Status.UNIMPLEMENTED
                     else f"{err.status.name}: {err.message}"
                 )
+            except Exception as err:
+                # The stream broke (the connection, h2): try again on this channel; the
+                # session ends anyway when the Watch beside it sees the connection gone.
+                reason = f"{type(err).__name__}: {err}"
             delay = self.backoff.next()
             log.warning(
                 "key stream lost; keeping the last key set",
@@ -200,7 +204,7 @@ class KeysClient:
                     log.warning("the control plane does not serve ReportUsage; using fallbacks")
                     return
                 log.warning("usage report failed", error=f"{err.status.name}: {err.message}")
-            except (OSError, TimeoutError) as err:
+            except Exception as err:
                 # The report stays pending: sent again, unchanged, next time.
                 log.warning("usage report failed", error=f"{type(err).__name__}: {err}")
             await asyncio.sleep(interval)
