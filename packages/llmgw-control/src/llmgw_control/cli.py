@@ -20,6 +20,7 @@ from llmgw_proto import tracing
 from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
 from llmgw_proto.grpc_limits import log_too_large
+from llmgw_proto.ports import first_taken
 from llmgw_proto.text import visible, visible_data
 from llmgw_proto.tls import CertReloader, server_context
 
@@ -80,6 +81,12 @@ def serve(config_path: Path, insecure: bool) -> None:
     problem = tls_problem(loaded.config, insecure, str(config_path))
     if problem is not None:
         fail(str(problem))
+    # A port in use: the setting, the address and its holder, before anything starts.
+    taken = first_taken(
+        {"listen": loaded.config.listen, "admin_listen": loaded.config.admin_listen}
+    )
+    if taken is not None:
+        fail(f"{config_path}: {taken}")
     # Spans of placements and starts, when `tracing.endpoint` is set; flushed at exit.
     tracing.configure(loaded.config.tracing, "llmgw-control")
     try:

@@ -8,6 +8,7 @@ import click
 import msgspec
 from llmgw_proto.cli import fail, load_config_or_exit, log_options
 from llmgw_proto.config import ConfigError
+from llmgw_proto.ports import first_taken
 
 from llmgw_router import __version__
 from llmgw_router.config import RouterConfig, parse_endpoint_flag, resolve_api_keys, validate
@@ -106,6 +107,16 @@ def serve(
         fail(
             f"{source}: no endpoints: give `endpoints:` or `control:` in the config, or --endpoint"
         )
+    # A port in use: the setting (or flag), the address and its holder, whatever server
+    # and worker mode would follow (uvicorn alone printed its own lines and exit 3).
+    taken = first_taken(
+        {
+            "--listen" if listen else "listen": cfg.listen,
+            "--admin-listen" if admin_listen else "admin_listen": cfg.admin_listen,
+        }
+    )
+    if taken is not None:
+        fail(f"{source}: {taken}")
     static = tuple(
         EndpointSpec(
             id=e.id,
