@@ -24,7 +24,7 @@ from pathlib import Path
 import structlog
 from llmgw_proto import v1
 
-from llmgw_agent.config import AgentConfig
+from llmgw_agent.config import AgentConfig, EnginesConfig
 from llmgw_agent.engine_flags import FlagSpec, captured, parse_help
 
 __all__ = [
@@ -220,8 +220,12 @@ def load_engine(
     *,
     timeout: float = 300.0,
     run: Runner = _run,
+    quiet: bool = False,
 ) -> InstalledEngine:
-    """Read one engine's version and flags; problems end up in ``error``, never raised."""
+    """Read one engine's version and flags; problems end up in ``error``, never raised.
+
+    ``quiet``: an engine agent.yaml does not set up; what goes wrong is logged at info.
+    """
     exe = _executable(command)
     source = flags_from.strip()
     if source.startswith("captured"):
@@ -258,7 +262,8 @@ def load_engine(
     if not version:
         # The flags still come from the engine; only the cache needs a version.
         last = out.strip().splitlines()[-1:] or ["no output"]
-        log.warning("cannot read the engine version", engine=kind, exit=code, last=last[0][:200])
+        say = log.info if quiet else log.warning
+        say("cannot read the engine version", engine=kind, exit=code, last=last[0][:200])
     key = hashlib.sha256(os.path.realpath(exe).encode()).hexdigest()[:12]
     cache = state_dir / "engine-help" / f"{kind}-{version}-{key}.txt" if version else None
     text = ""
@@ -297,13 +302,27 @@ def load_installed(
     out: dict[str, InstalledEngine] = {}
     for name in names:
         engine = getattr(config.engines, name)
+        configured = engine != getattr(EnginesConfig(), name)
         out[name] = load_engine(
             name,
             engine.command,
             engine.flags_from,
             state_dir,
             timeout=config.engine_probe_timeout,
+            quiet=not configured,
         )
         if out[name].error:
-            log.warning("engine unusable", engine=name, error=out[name].error)
+            # An engine agent.yaml does not set up (its default command) that does not
+            # run here: normal on a node for other engines. Only an engine the file
+            # sets up is worth a warning; a profile that needs an unusable one fails
+            # its start with this same error (status, explain and the page show it).
+            if configured:
+                log.warning("engine unusable", engine=name, error=out[name].error)
+            else:
+                log.info(
+                    "engine not set up in agent.yaml and not usable at its default command;"
+                    " fine unless a profile placed here needs it",
+                    engine=name,
+                    error=out[name].error,
+                )
     return out
