@@ -222,3 +222,19 @@ def test_a_silent_routers_grant_is_held_then_released_and_survives_a_restart() -
     clock.at += 600
     b = share(back.report(report("b", 2, k={"demand_tpm": 100.0})), "k").budget_tokens
     assert b > 1000 - a
+
+
+def test_shares_of_routers_gone_silent_are_forgotten() -> None:
+    clock = Clock()
+    t = tenants(clock=clock)
+    t.create("k", {"rpm": 100})
+    t.report(report("a", 1, k={"demand_rpm": 50.0}))
+    clock.at += 120  # a is gone; its share expired long ago
+    b = share(t.report(report("b", 1, k={"demand_rpm": 50.0})), "k")
+    assert b.rpm > 99
+    assert set(t.held[("k", "rpm")]) == {"b"}
+    assert "a" not in t.routers
+    t.revoke("k")
+    clock.at += 120
+    t.report(report("b", 2))
+    assert t.held == {}

@@ -398,6 +398,8 @@ class Tenants:
             self._put(kind, key, value)
         for r in [r for r, s in self.routers.items() if s.at < now - 10 * ACTIVE]:
             del self.routers[r]
+        for ref in [ref for ref, held in self.held.items() if not _unexpired(held, now)]:
+            del self.held[ref]
         for r in [r for r, (until, _) in self.grants.items() if until < now]:
             del self.grants[r]
             self._put(GRANTS, instance_key(r), None)
@@ -486,6 +488,10 @@ def report_problem(report: v1.UsageReport) -> str | None:
     if not report.instance or len(report.instance) > MAX_ID:
         return f"instance: 1 to {MAX_ID} characters, got {len(report.instance)}"
     return None
+
+
+def _unexpired(held: dict[str, tuple[float, float]], now: float) -> bool:
+    return any(until > now for _, until in held.values())
 
 
 def _iso(at: float) -> str:
