@@ -25,6 +25,7 @@ from llmgw_proto.text import visible, visible_data
 from llmgw_proto.tls import CertReloader, server_context
 
 from llmgw_control import __version__, keys_admin, keys_cli, operate, opscli
+from llmgw_control import check as config_check
 from llmgw_control.admin import AdminServer
 from llmgw_control.attention import clip, local_time, watch_header
 from llmgw_control.auth import TokenError
@@ -398,6 +399,40 @@ def render_status(data: dict[str, Any]) -> str:
             + "\n".join(f"- {item['text']}" for item in attention)
         )
     return "\n\n".join(out)
+
+
+@main.command("check")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="control.yaml to judge.",
+)
+@click.option(
+    "--admin",
+    envvar="LLMGW_ADMIN",
+    default=None,
+    help="Also judge it against the nodes of this running control plane (URL or host:port).",
+)
+def check_command(config_path: Path, admin: str | None) -> None:
+    """Judge a config without starting anything (llmgw_control.check).
+
+    Exits 0 when nothing is wrong, 1 with a line per problem, 2 when the file itself is
+    refused (the error names the file and the field).
+    """
+    loaded = _load(config_path)
+    found = config_check.problems(loaded.catalog.profiles)
+    if admin:
+        code, data = _get(admin, "/v1/status")
+        if code != 200:
+            fail(visible(f"admin API answered {code}: {data.get('error', data)}"), code=1)
+        found += config_check.against_fleet(loaded.catalog.profiles, data)
+    for line in found:
+        click.echo(visible(f"{config_path}: {line}"))
+    if found:
+        sys.exit(1)
+    click.echo(f"{config_path}: {len(loaded.catalog.profiles)} profile(s), nothing wrong found")
 
 
 @main.command()

@@ -1,0 +1,141 @@
+"""`llmgw-control check --config FILE`: a config judged without starting anything.
+
+What loading already refuses (a located error, exit 2), then what only shows once
+engines start, found here first (exit 1, one line per problem, each naming the profile):
+
+- tensor x pipeline (x data) parallel sizes in ``engine_args`` that do not use the
+  GPUs a replica is given (``gpus_per_node`` x ``nodes``): vLLM's ``--tensor-parallel-size``
+  / ``-tp``, ``--pipeline-parallel-size`` / ``-pp``, ``--data-parallel-size`` / ``-dp``;
+  SGLang's ``--tp-size`` / ``--tp``, ``--pp-size``, ``--dp-size`` / ``--dp``. Without
+  them the agents choose sizes that fit (tensor inside a node, pipeline across nodes);
+- with ``--admin`` (a running control plane): profiles whose engine no ready node
+  offers usable (the engines the agents report), or that want more GPUs per node, or
+  more nodes, than any are.
+
+Engine flags against each engine's help are checked by the agent that starts it
+(``llmgw-agent dry-run``): the help lives with the agents, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from llmgw_control.catalog import ProfileSpec
+
+__all__ = ["against_fleet", "parallel_problem", "problems"]
+
+# Spellings of each size, per engine; the first is what messages name.
+_SIZES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
+    "vllm": {
+        "tensor": ("--tensor-parallel-size", "-tp"),
+        "pipeline": ("--pipeline-parallel-size", "-pp"),
+        "data": ("--data-parallel-size", "-dp"),
+    },
+    "sglang": {
+        "tensor": ("--tp-size", "--tp", "--tensor-parallel-size"),
+        "pipeline": ("--pp-size", "--pipeline-parallel-size"),
+        "data": ("--dp-size", "--dp", "--data-parallel-size"),
+    },
+}
+
+
+def _value(args: Sequence[str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(spelling, value) of the last of ``names`` in ``args`` (``--x 2`` or ``--x=2``)."""
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            if eq:
+                found = (name, inline)
+            elif i + 1 < len(args):
+                found = (name, args[i + 1])
+    return found
+
+
+def parallel_problem(engine: str, engine_args: Sequence[str], gpus: int, nodes: int) -> str:
+    """Why the parallel sizes in ``engine_args`` do not fit ``gpus`` x ``nodes``; "" if
+    they do, or say nothing."""
+    sizes = _SIZES.get(engine)
+    if sizes is None or gpus == 0:
+        return ""
+    given: dict[str, tuple[str, int]] = {}
+    for kind, names in sizes.items():
+        found = _value(engine_args, names)
+        if found is None:
+            continue
+        name, raw = found
+        try:
+            value = int(raw)
+        except ValueError:
+            return f"{name} {raw!r} is not a whole number"
+        if value < 1:
+            return f"{name} {value} must be at least 1"
+        given[kind] = (name, value)
+    if not given:
+        return ""
+    total = gpus * nodes
+    tp = given.get("tensor", ("", 0))[1]
+    pp = given.get("pipeline", ("", 1))[1]
+    dp = given.get("data", ("", 1))[1]
+    if not tp:
+        # The agents fill tensor parallel in: it must come out whole.
+        if total % (pp * dp):
+            return (
+                f"{_words(given)} do not divide the {total} GPUs a replica gets "
+                f"(gpus_per_node {gpus} x nodes {nodes})"
+            )
+        return ""
+    if tp * pp * dp != total:
+        product = " x ".join(f"{name} {value}" for name, value in given.values())
+        return (
+            f"{product} = {tp * pp * dp} GPUs, but a replica gets {total} "
+            f"(gpus_per_node {gpus} x nodes {nodes})"
+        )
+    return ""
+
+
+def _words(given: Mapping[str, tuple[str, int]]) -> str:
+    return " x ".join(f"{name} {value}" for name, value in given.values())
+
+
+def problems(profiles: Iterable[ProfileSpec]) -> list[str]:
+    """What the config's profiles would run into, each naming its profile."""
+    out = []
+    for p in profiles:
+        why = parallel_problem(p.engine, p.engine_args, p.gpus_per_node, p.nodes)
+        if why:
+            out.append(f"models[{p.model}].profiles.{p.name}.engine_args: {why}")
+    return out
+
+
+def against_fleet(profiles: Iterable[ProfileSpec], status: Mapping[str, Any]) -> list[str]:
+    """What no ready node of a running control plane (its /v1/status) could run."""
+    ready = [n for n in status.get("nodes", []) if n.get("state") == "READY"]
+    if not ready:
+        return ["the control plane has no ready node: nothing to check the profiles against"]
+    out = []
+    for p in profiles:
+        where = f"models[{p.model}].profiles.{p.name}"
+        offering = [
+            n
+            for n in ready
+            if any(
+                str(e.get("kind", "")).lower().endswith(p.engine) and not e.get("error")
+                for e in n.get("engines", [])
+            )
+        ]
+        if not offering:
+            out.append(f"{where}.engine: no ready node offers a usable {p.engine}")
+            continue
+        most = max(len(n.get("gpus", [])) for n in offering)
+        if p.gpus_per_node > most:
+            out.append(
+                f"{where}.gpus_per_node: {p.gpus_per_node}, but the nodes with {p.engine} "
+                f"have at most {most} GPUs"
+            )
+        if p.nodes > len(offering):
+            out.append(
+                f"{where}.nodes: {p.nodes}, but {len(offering)} ready node(s) offer {p.engine}"
+            )
+    return out
