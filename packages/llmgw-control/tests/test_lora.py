@@ -160,6 +160,16 @@ def test_every_replica_full_evicts_the_fleets_least_recently_used() -> None:
     assert plan(reps, demand) == [Action("unload", "b", "cold"), Action("load", "b", "x")]
 
 
+def test_a_busy_adapter_outlives_a_rarely_used_one_used_last() -> None:
+    reps = [ReplicaView("a", 0, 2, frozenset({"busy", "rare"}))]
+    demand = {
+        "busy": Demand(rate=3.0, last_used=40),
+        "rare": Demand(rate=0.1, last_used=50),
+        "x": Demand(held=1, last_used=60),
+    }
+    assert plan(reps, demand) == [Action("unload", "a", "rare"), Action("load", "a", "x")]
+
+
 def test_held_adapter_already_held_or_loading_is_left_alone() -> None:
     reps = [
         ReplicaView("a", 0, 2, frozenset({"x"})),
@@ -267,3 +277,68 @@ def test_plan_properties(
     # Each adapter is loaded at most once per replica.
     loads = [(a.replica, a.adapter) for a in actions if a.kind == "load"]
     assert len(loads) == len(set(loads))
+
+
+# --- the manager: an adapter leaves routers' view before the engine lets it go ------------
+
+
+def test_an_unload_is_hidden_from_routers_first_and_sent_after_the_grace(tmp_path: Path) -> None:
+    from llmgw_control.lora import UNLOAD_GRACE, LoraManager
+    from llmgw_control.publish import EndpointInfo
+    from llmgw_proto import v1
+    from prometheus_client import CollectorRegistry
+
+    model = base(max_loras=1)
+    catalog = load_control_config(write(tmp_path, [model])).catalog
+    ep = EndpointInfo(
+        "r1",
+        "http://127.0.0.1:1",
+        ("gemma",),
+        "gemma",
+        "default",
+        1,
+        "n1",
+        (),
+        "r1",
+        "/health",
+        shard_id="r1-0",
+    )
+    held = {"r1": frozenset({"sql"})}
+    sent: list[v1.ControlMessage] = []
+    touched: list[str] = []
+    manager = LoraManager(CollectorRegistry())
+    manager.touch = touched.append
+
+    def record(node: str, command_id: str, msg: v1.ControlMessage) -> bool:
+        sent.append(msg)
+        return True
+
+    def step(now: float) -> None:
+        manager.step(
+            catalog,
+            [ep],
+            lambda e: (held[e], 0.0),
+            record,
+            now,
+        )
+
+    manager.on_demand("sql", 0, 1, 1.0)
+    manager.on_demand("chat", 2, 2, 20.0)
+    step(20.0)
+    # chat is loaded at once; sql, idle, is hidden from routers but still loaded.
+    assert [m.load_adapter.name for m in sent if m.load_adapter] == ["chat"]
+    assert not [m for m in sent if m.unload_adapter]
+    assert manager.hidden("r1") == {"sql"}
+    assert touched == ["r1"]
+    step(20.0 + UNLOAD_GRACE)
+    assert [m.unload_adapter.name for m in sent if m.unload_adapter] == ["sql"]
+    # Until a load report shows it gone, routers are still not told of it.
+    assert manager.hidden("r1") == {"sql"}
+    held["r1"] = frozenset({"chat"})
+    for m in sent:
+        command = m.load_adapter or m.unload_adapter
+        assert command is not None
+        manager.on_result(command.command_id, True, "")
+    step(30.0)
+    assert manager.hidden("r1") == frozenset()
+    assert manager.status(catalog, [ep], lambda e: (held[e], 0.0), 30.0)["unloads"] == 1

@@ -170,6 +170,9 @@ class Controller:
         self.keeper = StateKeeper()
         # LoRA adapters: demand from routers, loads and unloads on the engines (issue 30).
         self.lora = LoraManager(self.metrics.registry)
+        # An adapter being unloaded is hidden from routers first (llmgw_control.lora).
+        self.publisher.loads.hidden_adapters = self.lora.hidden
+        self.lora.touch = self.publisher.loads.touch_endpoint
 
     # --- the lead and the state store -----------------------------------------------
 

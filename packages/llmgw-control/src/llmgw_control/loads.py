@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,9 @@ class LoadBook:
         # node id -> when it last said anything (confirms its unchanged figures).
         self._heard: dict[str, float] = {}
         self.subscribers: set[Subscriber] = set()
+        # LoRA adapters not to tell routers an endpoint holds (being unloaded there):
+        # endpoint id -> names (set by llmgw_control.lora).
+        self.hidden_adapters: Callable[[str], frozenset[str]] = lambda endpoint_id: frozenset()
 
     # --- from agents ------------------------------------------------------------------
 
@@ -158,6 +161,12 @@ class LoadBook:
         )
         for sub in self.subscribers:
             sub.caches.setdefault(endpoint_id, []).append(change)
+            sub.changed.set()
+
+    def touch_endpoint(self, endpoint_id: str) -> None:
+        """Send the endpoint's figures again (what routers may be told it holds changed)."""
+        for sub in self.subscribers:
+            sub.dirty.add(endpoint_id)
             sub.changed.set()
 
     def _touch(self, shard_id: str) -> None:
@@ -262,7 +271,7 @@ class LoadBook:
             generation=generation,
             age=dt.timedelta(seconds=max(self.age(f, now), 0.0)),
             cache_tokens=f.cache_tokens,
-            adapters=list(f.adapters),
+            adapters=sorted(set(f.adapters) - self.hidden_adapters(endpoint_id)),
         )
 
     def _full_cache(self, endpoint_id: str) -> v1.EndpointCache:

@@ -34,6 +34,9 @@ log = structlog.get_logger(__name__)
 RATE_WINDOW = 10.0
 # Held requests are forgotten when no router repeats them for this long.
 HELD_TTL = 5.0
+# An adapter to unload is first hidden from routers (EndpointLoad.adapters) for this long,
+# so that none sends it there any more when the engine lets it go.
+UNLOAD_GRACE = 1.5
 
 
 @dataclass
@@ -81,6 +84,20 @@ class LoraManager:
         )
         self.counts: dict[tuple[str, str], int] = {}
         self.errors: dict[str, str] = {}
+        # (endpoint id, adapter) -> when it was chosen to go: hidden, unloaded after the grace.
+        self._leaving: dict[tuple[str, str], float] = {}
+        # Tells routers an endpoint's adapters again (LoadBook.touch_endpoint).
+        self.touch: Callable[[str], None] = lambda endpoint_id: None
+
+    def hidden(self, endpoint_id: str) -> frozenset[str]:
+        """Adapters routers are not told the endpoint holds: leaving, or being unloaded."""
+        out = {a for (e, a) in self._leaving if e == endpoint_id}
+        out.update(
+            s.adapter
+            for s in self._sent.values()
+            if s.endpoint_id == endpoint_id and s.kind == "unload"
+        )
+        return frozenset(out)
 
     # --- from routers ---------------------------------------------------------------
 
@@ -140,13 +157,25 @@ class LoraManager:
             # Done once the engine's load report shows it; forgotten if it never does.
             if (s.answered and seen) or now - s.at > expire:
                 del self._sent[cid]
+        by_id = {ep.id: ep for ep in endpoints}
         sent_all: list[Action] = []
+        # Unloads whose grace is over go out now (the routers stopped sending there).
+        for (endpoint_id, adapter), since in list(self._leaving.items()):
+            ep = by_id.get(endpoint_id)
+            if ep is None:
+                del self._leaving[(endpoint_id, adapter)]
+                continue
+            if now - since < UNLOAD_GRACE:
+                continue
+            if not self._send(ep, Action("unload", endpoint_id, adapter), "", send, now, prefix):
+                break
+            del self._leaving[(endpoint_id, adapter)]
+            sent_all.append(Action("unload", endpoint_id, adapter))
         for model in dict.fromkeys(p.model for p in catalog.profiles if p.max_loras > 0):
             names = {a.name: a for a in catalog.adapters_of(model)}
             views: list[ReplicaView] = []
-            info: dict[str, EndpointInfo] = {}
             removed: list[Action] = []
-            # An adapter used within this is not unloaded for another (the profiles' lora.min_idle).
+            # An adapter used within this is not unloaded for another (lora.min_idle).
             min_idle = max(
                 (p.lora_min_idle for p in catalog.of_model(model) if p.max_loras > 0), default=10.0
             )
@@ -161,59 +190,70 @@ class LoraManager:
                     for s in self._sent.values()
                     if s.endpoint_id == ep.id and s.kind == "load"
                 )
-                unloading = {
-                    s.adapter
-                    for s in self._sent.values()
-                    if s.endpoint_id == ep.id and s.kind == "unload"
-                }
+                going = self.hidden(ep.id)
                 views.append(
                     ReplicaView(
-                        ep.id,
-                        load,
-                        profile.max_loras,
-                        frozenset(held - unloading) & frozenset(names),
-                        loading,
+                        ep.id, load, profile.max_loras, (held - going) & frozenset(names), loading
                     )
                 )
-                info[ep.id] = ep
                 # Adapters no longer in the catalog (a reload removed them) are unloaded.
-                removed += [
-                    Action("unload", ep.id, a) for a in sorted(held - unloading - set(names))
-                ]
+                removed += [Action("unload", ep.id, a) for a in sorted(held - going - set(names))]
             demand = {a: d.view(now) for a, d in self.demand.items() if a in names}
-            for action in [
-                *removed,
-                *plan(views, demand, hot_rate=self.hot_rate, now=now, min_idle=min_idle),
-            ]:
-                ep = info[action.replica]
-                command_id = f"{prefix}-{next(self._ids)}"
-                if action.kind == "load":
-                    msg = v1.ControlMessage(
-                        load_adapter=v1.LoadAdapter(
-                            command_id=command_id,
-                            shard_id=ep.shard_id,
-                            name=action.adapter,
-                            source=names[action.adapter].source,
-                        )
-                    )
-                else:
-                    msg = v1.ControlMessage(
-                        unload_adapter=v1.UnloadAdapter(
-                            command_id=command_id, shard_id=ep.shard_id, name=action.adapter
-                        )
-                    )
-                if not send(ep.node_id, command_id, msg):
+            actions = plan(views, demand, hot_rate=self.hot_rate, now=now, min_idle=min_idle)
+            for action in [*removed, *actions]:
+                ep = by_id[action.replica]
+                key = (action.replica, action.adapter)
+                if action.kind == "unload":
+                    # Hidden from routers first; unloaded once the grace is over.
+                    self._leaving[key] = now
+                    self.touch(action.replica)
+                    log.info("adapter leaving", adapter=action.adapter, endpoint=action.replica)
+                    continue
+                if key in self._leaving:
+                    # Wanted again where it is still loaded: it stays.
+                    del self._leaving[key]
+                    self.touch(action.replica)
+                    continue
+                source = names[action.adapter].source
+                if not self._send(ep, action, source, send, now, prefix, model):
                     break
-                self._sent[command_id] = _Sent(action.kind, ep.id, action.adapter, model, now)
-                log.info(
-                    "adapter command sent",
-                    kind=action.kind,
-                    adapter=action.adapter,
-                    endpoint=ep.id,
-                    command_id=command_id,
-                )
                 sent_all.append(action)
         return sent_all
+
+    def _send(
+        self,
+        ep: EndpointInfo,
+        action: Action,
+        source: str,
+        send: Send,
+        now: float,
+        prefix: str,
+        model: str = "",
+    ) -> bool:
+        command_id = f"{prefix}-{next(self._ids)}"
+        if action.kind == "load":
+            msg = v1.ControlMessage(
+                load_adapter=v1.LoadAdapter(
+                    command_id=command_id, shard_id=ep.shard_id, name=action.adapter, source=source
+                )
+            )
+        else:
+            msg = v1.ControlMessage(
+                unload_adapter=v1.UnloadAdapter(
+                    command_id=command_id, shard_id=ep.shard_id, name=action.adapter
+                )
+            )
+        if not send(ep.node_id, command_id, msg):
+            return False
+        self._sent[command_id] = _Sent(action.kind, ep.id, action.adapter, model or ep.model, now)
+        log.info(
+            "adapter command sent",
+            kind=action.kind,
+            adapter=action.adapter,
+            endpoint=ep.id,
+            command_id=command_id,
+        )
+        return True
 
     def status(
         self,

@@ -7,9 +7,9 @@ Output: load and unload actions, in the order to send them.
 
 - An adapter with requests held and no holder (nor a load under way) is loaded at once
   on the least loaded replica with a free slot; when every replica is full, the one
-  whose least recently used adapter is the least recently used of all unloads it first
-  (LRU fleet-wide; never an adapter being loaded, with requests held, or used within
-  ``min_idle`` seconds: routers may still be sending it requests there).
+  whose least used adapter is the least used of all unloads it first (fleet-wide: the
+  lowest recent request rate, then the least recently used; never an adapter being
+  loaded, with requests held, or used within ``min_idle`` seconds).
 - A hot adapter (more than ``hot_rate`` requests a second per holder) gains a holder,
   one per pass, on the least loaded replica that does not hold it, evicting there only
   an adapter used less recently than it.
@@ -90,6 +90,11 @@ def plan(
         d = demand.get(adapter)
         return d.last_used if d is not None else 0.0
 
+    def used(adapter: str) -> tuple[float, float]:
+        """How much an adapter is in use: its recent rate, then when last used."""
+        d = demand.get(adapter)
+        return (d.rate, d.last_used) if d is not None else (0.0, 0.0)
+
     def victim(rep: _Replica, newer_than: float | None) -> str | None:
         """The adapter ``rep`` may unload for another: least recently used first."""
         movable = [
@@ -101,7 +106,7 @@ def plan(
         ]
         if not movable:
             return None
-        oldest = min(movable, key=lambda a: (last_used(a), a))
+        oldest = min(movable, key=lambda a: (used(a), a))
         if newer_than is not None and last_used(oldest) >= newer_than:
             return None
         return oldest
@@ -116,7 +121,7 @@ def plan(
             outs = [(out, r) for r in among if (out := victim(r, newer_than)) is not None]
             if not outs:
                 return False
-            out, rep = min(outs, key=lambda o: (last_used(o[0]), o[1].load, o[1].view.id))
+            out, rep = min(outs, key=lambda o: (used(o[0]), o[1].load, o[1].view.id))
             rep.taken.discard(out)
             actions.append(Action("unload", rep.view.id, out))
         rep.taken.add(adapter)
