@@ -109,6 +109,9 @@ def test_a_request_is_one_trace_under_the_clients_parent(fleet: Fleet) -> None:
     assert request.attributes["llmgw.endpoint"] == "sim"
     assert request.attributes["http.response.status_code"] == 200
     assert request.attributes["http.route"] == "/v1/responses"
+    # The Responses API's usage (input_tokens, output_tokens) counted as tokens too.
+    assert request.attributes["llmgw.tokens.prompt"] > 0
+    assert request.attributes["llmgw.tokens.completion"] == 8
     assert attempt.attributes["endpoint"] == "sim"
     assert first.attributes["status"] == 200
     # The engine got the attempt's traceparent: same trace, the attempt as its parent.

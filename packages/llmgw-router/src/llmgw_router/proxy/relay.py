@@ -37,6 +37,17 @@ _MAX_ERROR_BODY = 1 << 16
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # The Responses API's and Anthropic's Messages API's names for the same counts.
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(prompt, completion) tokens, whichever API's names the engine used."""
+        return (
+            self.prompt_tokens or self.input_tokens,
+            self.completion_tokens or self.output_tokens,
+        )
 
 
 class _WithUsage(msgspec.Struct):
@@ -170,9 +181,9 @@ class Relay:
                 bytes(collected) if collected is not None else previous + last, streamed
             )
             if usage is not None:
-                ctx.usage = (usage.prompt_tokens, usage.completion_tokens)
-                metrics.child(metrics.tokens, model, "prompt").inc(usage.prompt_tokens)
-                metrics.child(metrics.tokens, model, "completion").inc(usage.completion_tokens)
+                prompt, completion = ctx.usage = usage.counts
+                metrics.child(metrics.tokens, model, "prompt").inc(prompt)
+                metrics.child(metrics.tokens, model, "completion").inc(completion)
         ctx.status, ctx.endpoint = (cut if failure else status), ep.id
         return clean
 
