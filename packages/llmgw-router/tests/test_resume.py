@@ -407,3 +407,37 @@ def test_any_body_gets_a_reason_not_a_traceback(body: bytes) -> None:
     for path in (CHAT_PATH, COMPLETIONS_PATH):
         why = refusal(path, body)
         assert why is None or isinstance(why, str)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pieces=words,
+    cut=st.integers(1, 29),
+    groups=st.lists(st.integers(1, 4), min_size=1),
+    usage=st.booleans(),
+)
+def test_events_fed_then_folded_are_followed_as_one_by_one(
+    pieces: list[str], cut: int, groups: list[int], usage: bool
+) -> None:
+    """The relay feeds whole events in any grouping (and past FOLD_AT they are followed
+    at once): what the splice knows after a fold is what following each one gives."""
+    events = chat_stream("a", 3, pieces, prompt=9, usage=usage, continuous=usage)[: cut + 1]
+    one_by_one = Splice()
+    for event in events:
+        one_by_one.observe(event)
+    fed = Splice()
+    at, i = 0, 0
+    while at < len(events):
+        size = groups[i % len(groups)]
+        fed.feed(b"".join(events[at : at + size]))
+        at, i = at + size, i + 1
+    fed.fold()
+    assert (fed.id, fed.created, fed.text, fed.tokens, fed.finished, fed.usage) == (
+        one_by_one.id,
+        one_by_one.created,
+        one_by_one.text,
+        one_by_one.tokens,
+        one_by_one.finished,
+        one_by_one.usage,
+    )
+    assert not fed.pending

@@ -143,6 +143,7 @@ class Exchange:
         self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice, broken: StreamBroken
     ) -> bool:
         """After a resumable stream broke: True to resume it; else it was ended here."""
+        splice.fold()
         decision = decide(
             max_resumes=self._max_resumes,
             resumes=splice.resumes,

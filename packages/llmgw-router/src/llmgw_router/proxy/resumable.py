@@ -15,7 +15,7 @@ import structlog
 
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.proxy.context import Reply, RequestContext
-from llmgw_router.proxy.relay import Relay, response_headers
+from llmgw_router.proxy.relay import Relay, response_headers, usage_from
 from llmgw_router.proxy.resume import Splice, split_events
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import Pool, Response, UpstreamError
@@ -89,24 +89,32 @@ class ResumableRelay:
         idle = deadlines.idle
         held = b""
         chunk = first
+        # The last two pieces passed on: a stream's usage and `[DONE]` are at its end.
+        previous = last = b""
         try:
             while True:
                 if chunk:
-                    events, held = split_events(held + chunk)
-                    if events:
-                        out = []
-                        for event in events:
-                            if continuing:
-                                event = splice.rewrite(event)
-                            else:
-                                splice.observe(event)
-                            out.append(event)
-                        data = b"".join(out)
+                    data = held + chunk if held else chunk
+                    if continuing:
+                        events, held = split_events(data)
+                        data = b"".join([splice.rewrite(event) for event in events])
+                    else:
+                        # Whole events only: a break must not leave the client half one.
+                        end = data.rfind(b"\n\n") + 2
+                        if end == 1:
+                            data, held = b"", data
+                        elif end < len(data):
+                            data, held = data[:end], data[end:]
+                        else:
+                            held = b""
                         if data:
-                            at = loop.time()
-                            gap.observe(at - last_at)
-                            last_at = at
-                            await send.body(data, True)
+                            splice.feed(data)
+                    if data:
+                        at = loop.time()
+                        gap.observe(at - last_at)
+                        last_at = at
+                        previous, last = last, data
+                        await send.body(data, True)
                 chunk = await response.read_chunk(min(last_at + idle, total_at))
                 if not chunk:
                     break
@@ -125,24 +133,32 @@ class ResumableRelay:
         except BaseException:
             # The client left (at `[DONE]`, say): the usage is counted all the same, as
             # the engines did the work.
-            self._count(ctx, splice)
+            self._count(ctx, splice, previous + last)
             raise
-        if not splice.done_sent and not splice.finished:
+        if continuing or b"data: [DONE]" not in previous + last:
+            splice.fold()
+        if not splice.done_sent and not splice.finished and b"[DONE]" not in previous + last:
             # The body ended without the answer's end: the engine went away mid-answer.
             self.state.record_failure(ep, "reset")
             raise StreamBroken("closed_early", f"{ep.id} ended the stream early", last_at)
         # A broken attempt's running usage is not the answer's: the one that ends it counts.
-        self._count(ctx, splice)
+        self._count(ctx, splice, previous + last)
         if held:
             await send.body(held, True)
         await send.body(b"")
         ctx.status, ctx.endpoint = ctx.status or status, ep.id
         return True
 
-    def _count(self, ctx: RequestContext, splice: Splice) -> None:
-        if splice.usage is not None:
+    def _count(self, ctx: RequestContext, splice: Splice, tail: bytes) -> None:
+        """The answer's usage: a continuation's as rewritten, else the stream's last."""
+        if splice.resumes:
+            found = splice.usage
+        else:
+            usage = usage_from(tail, True)
+            found = None if usage is None else (usage.prompt_tokens, usage.completion_tokens)
+        if found is not None:
             metrics = self.state.metrics
-            prompt, completion = ctx.usage = splice.usage
+            prompt, completion = ctx.usage = found
             metrics.child(metrics.tokens, ctx.model, "prompt").inc(prompt)
             metrics.child(metrics.tokens, ctx.model, "completion").inc(completion)
 

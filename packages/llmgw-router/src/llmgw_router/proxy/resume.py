@@ -238,6 +238,8 @@ class _Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+# A stream's events are kept unread up to this many bytes (about 250 tokens of chat).
+FOLD_AT = 64 * 1024
 
 
 def _data(event: bytes) -> bytes | None:
@@ -274,6 +276,25 @@ class Splice:
     offset: int = 0
     done_sent: bool = False
     usage: tuple[int, int] | None = field(default=None)
+    # The first attempt's events passed on but not followed yet (:meth:`feed`).
+    pending: bytearray = field(default_factory=bytearray)
+
+    def feed(self, events: bytes) -> None:
+        """The first attempt's whole events, as passed on: followed only when a break
+        needs them (:meth:`fold`) or past ``FOLD_AT`` bytes, so a stream that ends well
+        costs a copy, not a decode per event."""
+        self.pending += events
+        if len(self.pending) > FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Follow the events fed so far."""
+        if self.pending:
+            data = bytes(self.pending)
+            self.pending.clear()
+            for event in data.split(b"\n\n"):
+                if event.strip():
+                    self.observe(event)
 
     def observe(self, event: bytes) -> None:
         """Follow one of the first attempt's events (passed on as it is)."""
