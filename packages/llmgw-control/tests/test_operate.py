@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 from llmgw_control.admin import CHANGED_BY
+from llmgw_control.cli import render_explain
 from llmgw_control.config import ControlConfig, Loaded, check
 from llmgw_control.controller import Controller
 from llmgw_control.operate import Operations
@@ -44,6 +45,12 @@ async def test_a_change_is_applied_and_shown() -> None:
     assert got is not None
     assert json.loads(got[2])["scales"][0]["by"] == "admin:alice"
     assert c.status()["operations"]["scales"][0]["replicas"] == 3
+    # explain says it beside what the config says, and so does its text.
+    explained = c.explain("m")
+    assert explained is not None
+    note = "scaled to 3 by admin:alice (the config says 1)"
+    assert explained["profiles"][0]["overrides"] == [note]
+    assert f"  override: {note}" in render_explain("m", explained).splitlines()
 
 
 async def test_refusals() -> None:

@@ -460,6 +460,7 @@ def render_explain(model: str, data: dict[str, Any]) -> str:
             lines.append(f"  {p['summary']}")
         if p.get("scaling"):
             lines.append(f"  autoscaling: {p['scaling']['reason']}")
+        lines.extend(f"  override: {note}" for note in p.get("overrides", []))
         if p.get("rollout"):
             ro = p["rollout"]
             lines.append(

@@ -728,4 +728,8 @@ class Controller:
         return status_view.summary(self.fleet())
 
     def explain(self, model: str) -> dict[str, Any] | None:
-        return status_view.explain(self.fleet(), model)
+        out = status_view.explain(self.fleet(), model)
+        if out is not None:
+            # Beside what the config says: the operator's overrides of this model.
+            operations.explain_overrides(out, self.ops, self.config_catalog)
+        return out

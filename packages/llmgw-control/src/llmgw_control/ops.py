@@ -458,6 +458,32 @@ def settle(ops: Ops, live: Iterable[str]) -> Ops:
     )
 
 
+def explain_overrides(out: dict[str, Any], ops: Ops, config: Catalog) -> None:
+    """Add to ``explain``'s JSON (``{model, profiles: [{profile, ...}]}``) what the
+    overrides change of each profile, with what the config says."""
+    model = str(out.get("model", ""))
+    ro = ops.rollouts.get(model)
+    for p in out.get("profiles", []):
+        name = str(p.get("profile", ""))
+        spec = config.get(model, name)
+        notes = []
+        s = ops.scales.get((model, name))
+        if s is not None and spec is not None:
+            said = (
+                f"{spec.replicas}"
+                if spec.min_replicas == spec.max_replicas
+                else f"{spec.min_replicas}-{spec.max_replicas}"
+            )
+            now = f"{s.replicas}" if s.replicas is not None else f"{s.min}-{s.max}"
+            notes.append(f"scaled to {now} by {s.by or '?'} (the config says {said})")
+        if ro is not None and ro.paused:
+            notes.append(f"rollout paused by {ro.by or '?'}")
+        if ro is not None and name in ro.undone:
+            notes.append(f"rollout undone by {ro.by or '?'}: the previous revision runs")
+        if notes:
+            p["overrides"] = notes
+
+
 def progress(
     ops: Ops, on_nodes: Mapping[str, Iterable[str]], now: float
 ) -> dict[str, list[dict[str, Any]]]:
