@@ -19,6 +19,8 @@ from llmgw_proto.config import BaseConfig, ConfigError, Duration
 from llmgw_proto.sizes import parse_size
 
 from llmgw_control.lora_catalog import AdapterSpec, check_adapters, lora_launch
+from llmgw_control.pd_catalog import pd_pools
+from llmgw_control.pd_catalog import with_role as _with_role
 
 __all__ = [
     "AdapterConfig",
@@ -28,6 +30,7 @@ __all__ = [
     "GpuConstraint",
     "LoraConfig",
     "ModelConfig",
+    "PoolConfig",
     "ProfileConfig",
     "ProfileSpec",
     "ReplicaRange",
@@ -87,6 +90,18 @@ class AdapterConfig(BaseConfig):
     source: str
 
 
+class PoolConfig(BaseConfig):
+    """``prefill:`` / ``decode:``: one role's pool of a disaggregated profile (issue 32).
+
+    Unset fields take the profile's value; engine_args are added after the profile's.
+    """
+
+    replicas: NonNegative | ReplicaRange = 1
+    gpus_per_node: NonNegative | None = None
+    nodes: Positive | None = None
+    engine_args: list[str] = []
+
+
 class ProfileConfig(BaseConfig):
     engine: EngineName
     model_ref: str = ""
@@ -109,6 +124,11 @@ class ProfileConfig(BaseConfig):
     load_timeout: Duration = Duration(600.0)
     # LoRA adapters: the engine's limits (None: the engine serves none).
     lora: LoraConfig | None = None
+    # Prefill/decode disaggregation (issue 32): both pools, and the node label whose
+    # value they share (the KV cache moves over that fabric), e.g. fabric.ib-subnet.
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    fabric_label: str = ""
 
 
 class ModelConfig(BaseConfig):
@@ -154,6 +174,12 @@ class ProfileSpec:
     lora_min_idle: float = 10.0
     # What replicas spread over: "node", "none" or a node label (placement.Demand).
     spread: str = "node"
+    # Disaggregated profiles (issue 32): this spec is one pool, "prefill" or "decode"
+    # ("" for an aggregated profile), of the profile named ``pd_group``; both pools'
+    # nodes share one value of ``fabric_label``.
+    role: str = ""
+    pd_group: str = ""
+    fabric_label: str = ""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -172,7 +198,7 @@ class ProfileSpec:
     @functools.cached_property
     def revision(self) -> str:
         """What the engine is started with; a change rolls the replicas (replicas alone scale)."""
-        launch = (
+        launch: tuple[object, ...] = (
             self.engine,
             self.model_ref,
             self.engine_args,
@@ -185,6 +211,8 @@ class ProfileSpec:
             self.same_label,
             self.served_model_names,
         )
+        if self.role:  # appended only here: aggregated profiles keep their revisions
+            launch += (self.role, self.fabric_label)
         return hashlib.blake2b(repr(launch).encode(), digest_size=6).hexdigest()
 
 
@@ -261,17 +289,25 @@ def build_catalog(models: list[ModelConfig], source: str) -> Catalog:
                 f"{where}.profiles",
             )
         for name, profile in model.profiles.items():
-            spec = _check_profile(model.name, name, profile, source, f"{where}.profiles.{name}")
-            for served in spec.served_model_names:
-                owner = served_by.setdefault(served, model.name)
-                if owner != model.name:
-                    raise ConfigError(
-                        source,
-                        f"served model name {served!r} is already served by model {owner!r}; "
-                        "a name must pick one model",
-                        f"{where}.profiles.{name}.served_model_names",
-                    )
-            profiles.append(spec)
+            at = f"{where}.profiles.{name}"
+            pools = pd_pools(name, profile, set(model.profiles), source, at)
+            specs = [
+                _with_role(
+                    _check_profile(model.name, pool, config, source, at), role, name, profile
+                )
+                for role, pool, config in pools
+            ] or [_check_profile(model.name, name, profile, source, at)]
+            for spec in specs:
+                for served in spec.served_model_names:
+                    owner = served_by.setdefault(served, model.name)
+                    if owner != model.name:
+                        raise ConfigError(
+                            source,
+                            f"served model name {served!r} is already served by model {owner!r}; "
+                            "a name must pick one model",
+                            f"{at}.served_model_names",
+                        )
+            profiles += specs
     # Adapters last: their names must differ from every model's served names.
     adapters: list[AdapterSpec] = []
     names = {

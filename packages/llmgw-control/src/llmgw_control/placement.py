@@ -102,6 +102,8 @@ class Demand:
     # What replicas of one profile spread over: "" packs (no spreading), SPREAD_NODE
     # the nodes themselves, any other text the values of that node label.
     spread: str = ""
+    # A disaggregated pool's (label, value): only nodes with that value (llmgw_control.pd_place).
+    fabric: tuple[str, str] = ("", "")
 
     @classmethod
     def of(cls, profile: ProfileSpec) -> Demand:
@@ -188,6 +190,7 @@ FILTERS = (
     "gpu_memory",
     "free_gpus",
     "label",
+    "fabric",
     "ports",
 )
 
@@ -214,6 +217,8 @@ def _filter(node: NodeView, demand: Demand, lo: int, hi: int) -> tuple[str, int]
             return "free_gpus", free
     if demand.same_label and demand.same_label not in node.labels:
         return "label", 0
+    if demand.fabric[0] and node.labels.get(demand.fabric[0]) != demand.fabric[1]:
+        return "fabric", 0
     if len(node.free_ports(lo, hi, demand.ports_per_node)) < demand.ports_per_node:
         return "ports", 0
     return None, free
@@ -255,6 +260,11 @@ def _phrase(name: str, r: _Removal, demand: Demand, lo: int, hi: int) -> str:
         return f"{n} {has} too few free GPUs (need {need}, most free is {r.best} on {r.best_node})"
     if name == "label":
         return f"{n} {'lacks' if one else 'lack'} label {demand.same_label} ({_names(r.nodes)})"
+    if name == "fabric":
+        label, value = demand.fabric
+        if not value:
+            return f"{n} {'lacks' if one else 'lack'} label {label} ({_names(r.nodes)})"
+        return f"{n} {is_} not on {label}={value}, the pools' fabric ({_names(r.nodes)})"
     return f"{n} {has} no free port in {lo}-{hi} (need {demand.ports_per_node}; {_names(r.nodes)})"
 
 
@@ -346,6 +356,7 @@ _SHORT = {
     "gpu_memory": "GPUs too small",
     "free_gpus": "too few free GPUs",
     "label": "lacks the label",
+    "fabric": "on another fabric",
     "ports": "no free port",
 }
 

@@ -11,6 +11,7 @@ that runs it lives in :mod:`llmgw_control.controller`.
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from llmgw_proto.backoff import exponential
 from llmgw_control.catalog import Catalog, ProfileSpec
 from llmgw_control.inventory import Node, NodeState, ShardReport
 from llmgw_control.ops import Directives
+from llmgw_control.pd_place import fabric_demand
 from llmgw_control.placement import (
     Demand,
     NodeView,
@@ -450,19 +452,29 @@ class _Pass:
             if other.placed and not other.draining:
                 counts = spread.setdefault((other.model, other.profile), Counter())
                 counts.update(plan.node_id for plan in other.shards)
+        fabrics: dict[tuple[str, str], tuple[tuple[str, str], str]] = {}
         for r in waiting:
             profile = self.catalog.get(r.model, r.profile)
             if profile is None:
                 continue
             on = spread.setdefault((r.model, r.profile), Counter())
-            result = placer.place(Demand.of(profile), on)
+            demand, fabric = Demand.of(profile), ""
+            if profile.role:
+                # One choice of fabric per disaggregated profile and pass (pd_place).
+                group = (profile.model, profile.pd_group)
+                if group not in fabrics:
+                    chosen, why = self._pd_demand(profile, placer)
+                    fabrics[group] = (chosen.fabric, why)
+                pin, fabric = fabrics[group]
+                demand = dataclasses.replace(demand, fabric=pin)
+            result = placer.place(demand, on)
             if not isinstance(result, Placement):
-                r.explanation = result.explanation
+                r.explanation = result.explanation + (f"; {fabric}" if fabric else "")
                 continue
             r.size = profile.nodes
             r.rendezvous_port = result.rendezvous_port
             r.leader_address = result.leader_address
-            r.explanation = result.reason
+            r.explanation = result.reason + (f"; {fabric}" if fabric else "")
             r.created_at = self.now
             r.revision = profile.revision
             r.shards = [
@@ -473,6 +485,21 @@ class _Pass:
             for plan in r.shards:
                 plan.start_session = self.nodes[plan.node_id].session_id
                 self.commands.append(self._start(r, plan))
+
+    def _pd_demand(self, profile: ProfileSpec, placer: Placer) -> tuple[Demand, str]:
+        """A disaggregated pool's replica: pinned to the fabric both pools share (pd_place)."""
+        running: dict[str, str] = {}
+        wanted: Counter[str] = Counter()
+        for other in self.state.replicas.values():
+            if other.model != profile.model or other.draining:
+                continue
+            wanted[other.profile] += 1
+            node = self.nodes.get(other.shards[0].node_id) if other.shards else None
+            if node is not None and profile.fabric_label in node.labels:
+                running.setdefault(other.profile, node.labels[profile.fabric_label])
+        return fabric_demand(
+            profile, self.catalog, running, wanted, placer.nodes.values(), self.s.port_range
+        )
 
     def _views(self) -> dict[str, NodeView]:
         views = {
