@@ -37,6 +37,7 @@ from llmgw_proto.backoff import Backoff
 from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, BoundedChannel, log_too_large
 from llmgw_proto.keepalive import keepalive
 from llmgw_proto.tls import CertReloader
+from llmgw_proto.tls_probe import mismatch, speaks_tls
 
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.logs import LogSubscriptions
@@ -176,6 +177,8 @@ class ControlLink:
     _next: int = 0
     _leader: str = ""
     _denied_logged: bool = False
+    # Addresses already found to disagree with this agent on TLS (said once each).
+    _mismatched: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.backoff is None:
@@ -229,12 +232,16 @@ class ControlLink:
                         address=self.address,
                         error=f"{err.status.name}: {err.message or ''}",
                     )
+                    if not up_since:
+                        await self._tls_mismatch()
             except Exception as err:
                 log.warning(
                     "stream to the control plane failed",
                     address=self.address,
                     error=f"{type(err).__name__}: {err}",
                 )
+                if not up_since:
+                    await self._tls_mismatch()
             finally:
                 self.connected.clear()
             if self._closing.is_set():
@@ -251,6 +258,20 @@ class ControlLink:
             self.delays.append(delay)
             log.info("reconnecting", delay=round(delay, 3), attempt=self.backoff.attempt)
             await asyncio.sleep(delay)
+
+    async def _tls_mismatch(self) -> None:
+        """A stream that never came up: ask whether the control plane speaks TLS, and say
+        so in words when it and this agent disagree (both sides see only a reset)."""
+        if self.address in self._mismatched:
+            return
+        try:
+            host, port = parse_hostport(self.address)
+        except ValueError:
+            return
+        words = mismatch(self.address, self.ssl_context is not None, await speaks_tls(host, port))
+        if words:
+            self._mismatched.add(self.address)
+            log.error(words, address=self.address)
 
     async def close(self, task: asyncio.Task[None], timeout: float) -> None:
         """End ``task`` (running :meth:`run`) gracefully: send what is queued, half-close

@@ -23,6 +23,7 @@ from typing import Any
 import grpclib.server
 from grpclib.protocol import H2Protocol
 from llmgw_proto.grpc_limits import DEFAULT_MAX_MESSAGE, TooLargeHook, bound_handlers
+from llmgw_proto.tls_probe import looks_like_tls
 
 __all__ = ["GatedServer", "RefusalHook"]
 
@@ -63,7 +64,11 @@ class _Gate(asyncio.Protocol):
         except (ssl.SSLError, OSError, TimeoutError) as err:
             reason = getattr(err, "reason", None) or str(err) or type(err).__name__
             verify = getattr(err, "verify_message", None)
-            self.on_refused(address, f"{reason}: {verify}" if verify else str(reason))
+            if reason in _NOT_TLS:
+                # Plaintext (HTTP/2's preface) where a TLS ClientHello belongs.
+                self.on_refused(address, PLAINTEXT_CLIENT)
+            else:
+                self.on_refused(address, f"{reason}: {verify}" if verify else str(reason))
             transport.abort()
             return
         if tls is None:  # the connection went away during the handshake
@@ -101,6 +106,59 @@ class _Gate(asyncio.Protocol):
             self.inner.resume_writing()
 
 
+# What OpenSSL says when a connection's first bytes are not a TLS record.
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "HTTPS_PROXY_REQUEST"})
+PLAINTEXT_CLIENT = (
+    "TLS mismatch: a plaintext client (an agent or router with tls.insecure or --insecure) "
+    "reached this TLS listener: give it tls cert, key and ca, or run both in plaintext"
+)
+TLS_CLIENT = (
+    "TLS mismatch: a TLS client (an agent or router with tls cert, key and ca) reached this "
+    "plaintext listener (--insecure or tls.insecure): give the control plane tls cert, key "
+    "and ca, or run both in plaintext"
+)
+
+
+class _Sniff(asyncio.Protocol):
+    """A plaintext listener's connection: one that opens with a TLS record is refused
+    with a sentence (the client sees only its handshake fail); any other goes on."""
+
+    def __init__(self, inner: H2Protocol, on_refused: RefusalHook) -> None:
+        self.inner = inner
+        self.on_refused = on_refused
+        self.transport: asyncio.Transport | None = None
+        self.judged = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.judged:
+            self.judged = True
+            if looks_like_tls(data):
+                peer = self.transport.get_extra_info("peername") if self.transport else None
+                address = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+                self.on_refused(address, TLS_CLIENT)
+                if self.transport is not None:
+                    self.transport.abort()
+                return
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
 class GatedServer(grpclib.server.Server):
     """A grpclib server whose TLS handshakes report refusals; plaintext without ``ssl``."""
 
@@ -122,7 +180,7 @@ class GatedServer(grpclib.server.Server):
     def _protocol_factory(self) -> H2Protocol:
         inner = super()._protocol_factory
         if self._gate_ctx is None:
-            return inner()
+            return _Sniff(inner(), self._on_refused)  # type: ignore[return-value]
         gate = _Gate(self._gate_ctx, inner, self._on_refused)
         return gate  # type: ignore[return-value]  # it hands over to an H2Protocol
 
