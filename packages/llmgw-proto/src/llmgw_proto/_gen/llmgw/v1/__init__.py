@@ -526,6 +526,14 @@ class Endpoint(betterproto2.Message):
     router sends it any route.
     """
 
+    role: "str" = betterproto2.field(84, betterproto2.TYPE_STRING)
+    """
+    A disaggregated profile's pool (issue 32): "prefill" or "decode" ("" aggregated), and
+    the engine's KV port (SGLang's bootstrap port the router names to decode engines).
+    """
+
+    kv_port: "int" = betterproto2.field(85, betterproto2.TYPE_UINT32)
+
 
 default_message_pool.register_message("llmgw.v1", "Endpoint", Endpoint)
 
@@ -786,6 +794,12 @@ class Inventory(betterproto2.Message):
     simulated: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
     """
     True when the GPUs are simulated (development and tests, never production).
+    """
+
+    rdma_devices: "list[str]" = betterproto2.field(80, betterproto2.TYPE_STRING, repeated=True)
+    """
+    RDMA devices (/sys/class/infiniband), e.g. mlx5_0: what KV transfers between
+    prefill and decode engines use (issue 32).
     """
 
 
@@ -1197,6 +1211,14 @@ class ShardStatus(betterproto2.Message):
     "{...}" is a template. Empty: not known.
     """
 
+    role: "str" = betterproto2.field(82, betterproto2.TYPE_STRING)
+    """
+    A disaggregated profile's pool the engine serves: "prefill" or "decode"; "" when
+    aggregated (issue 32). With its KV side-channel / bootstrap port (0: none).
+    """
+
+    kv_port: "int" = betterproto2.field(83, betterproto2.TYPE_UINT32)
+
 
 default_message_pool.register_message("llmgw.v1", "ShardStatus", ShardStatus)
 
@@ -1277,6 +1299,15 @@ class StartShard(betterproto2.Message):
     W3C traceparent of the control plane's span that sent the command (empty: tracing
     off): the agent's validation, launch and load are its children, one trace.
     """
+
+    role: "str" = betterproto2.field(80, betterproto2.TYPE_STRING)
+    """
+    A disaggregated profile's pool (issue 32): "prefill" or "decode" ("" aggregated); the
+    agent launches the engine with its KV connector. kv_port: the port placement gave the
+    connector (vLLM's NIXL side channel, SGLang's bootstrap server), like `port`.
+    """
+
+    kv_port: "int" = betterproto2.field(81, betterproto2.TYPE_UINT32)
 
 
 default_message_pool.register_message("llmgw.v1", "StartShard", StartShard)
