@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from llmgw_router.proxy.routes import decode_id
 from llmgw_testkit import http_get, wait_for
 from llmgw_testkit import serving_checks as checks
 from llmgw_testkit.checks import stream_chat_with_usage
@@ -217,6 +218,45 @@ def test_completion_through_the_router(serving: Cluster) -> None:
         model=SERVED_NAME, prompt="The capital of France is", max_tokens=12, temperature=0
     )
     assert again.choices[0].text == choice.text
+
+
+def test_responses_through_the_router(serving: Cluster, engine: Any) -> None:
+    """The Responses API through the router (issue 31): the engine answers, and the id the
+    client gets names the replica that answered (the router's rewrite)."""
+    if engine.kind != "vllm":
+        return  # SGLang's Responses API is not what this suite's build serves
+    reply = checks.client(serving).responses.create(
+        model=SERVED_NAME, input="The capital of France is", max_output_tokens=12, temperature=0
+    )
+    assert reply.output_text
+    decoded = decode_id(reply.id)
+    assert decoded is not None
+    assert decoded[0].startswith("resp")
+    (replica,) = serving.wait_replicas(SERVED_NAME, 1)
+    assert decoded[1] == replica["replica_id"]
+    assert reply.usage is not None
+    assert reply.usage.input_tokens > 0
+
+
+def test_anthropic_messages_through_the_router(serving: Cluster, engine: Any) -> None:
+    """Anthropic's Messages API through the router (issue 31), whole and streamed."""
+    if engine.kind != "vllm":
+        return
+    import anthropic
+
+    client = anthropic.Anthropic(
+        base_url=serving.router_url, api_key="unused", max_retries=0, timeout=300
+    )
+    ask: list[Any] = [{"role": "user", "content": "Say hello."}]
+    message = client.messages.create(model=SERVED_NAME, max_tokens=8, messages=ask)
+    assert message.type == "message"
+    assert message.content[0].type == "text"
+    assert message.content[0].text
+    with client.messages.stream(model=SERVED_NAME, max_tokens=8, messages=ask) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text
+    assert 0 < final.usage.output_tokens <= 8
 
 
 def _admin_post(cluster: Cluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
