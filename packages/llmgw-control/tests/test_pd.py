@@ -24,7 +24,9 @@ from llmgw_control.pd_place import PoolNeed, choose_fabric
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, Placer
 from llmgw_control.reconciler import Settings, reconcile
 from llmgw_control.records import ControlState, Start
+from llmgw_proto import v1
 from llmgw_proto.config import ConfigError
+from llmgw_testkit import wait_for_async
 
 GiB = 2**30
 PORTS = (20000, 20099)
@@ -275,3 +277,43 @@ def test_a_value_is_chosen_that_takes_both_pools_whenever_one_can(
                 next(v for v in fleet if v.node_id == s.node_id).labels[LABEL] == value
                 for s in result.shards
             )
+
+
+# --- a real control plane: StartShard and the endpoint snapshot --------------------------
+
+
+async def test_pools_start_with_role_and_kv_port_and_endpoints_carry_them(
+    control_factory: Any, agent_factory: Any, watcher_factory: Any
+) -> None:
+    """Real `llmgw-control serve`, scripted agents over gRPC, a router's Watch."""
+    profile = pd_profile(
+        prefill={"replicas": 1, "gpus_per_node": 1},
+        decode={"replicas": 1, "gpus_per_node": 1},
+    )
+    control = control_factory([{"name": "m", "profiles": {"pd": profile}}])
+    watcher = watcher_factory(control.grpc_port)
+    # ib-2 has room for both pools (and more than ib-1): both land there, one node.
+    other = agent_factory(control.grpc_port, "gpu-a", gpus=1, labels={LABEL: "ib-1"})
+    agent = agent_factory(control.grpc_port, "gpu-b", gpus=4, labels={LABEL: "ib-2"})
+    other.start()
+    agent.start()
+
+    async def both_started() -> list[v1.StartShard] | None:
+        starts = agent.starts()
+        return starts if len(starts) == 2 else None
+
+    starts = await wait_for_async(both_started, timeout=60.0, what="both pools' StartShard")
+    assert other.starts() == []
+    by_role = {s.role: s for s in starts}
+    assert set(by_role) == {"prefill", "decode"}
+    assert by_role["prefill"].profile == "pd-prefill"
+    ports = [p for s in starts for p in (s.port, s.kv_port)]
+    assert all(21000 <= p <= 21099 for p in ports)
+    assert len(set(ports)) == 4  # every engine and connector port its own
+
+    snap = await watcher.until(lambda s: len(s.endpoints) == 2, "both endpoints published")
+    roles = {e.profile: (e.role, e.kv_port) for e in snap.endpoints}
+    assert roles == {
+        "pd-prefill": ("prefill", by_role["prefill"].kv_port),
+        "pd-decode": ("decode", by_role["decode"].kv_port),
+    }

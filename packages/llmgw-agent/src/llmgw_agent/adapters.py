@@ -18,6 +18,7 @@ import msgspec
 from llmgw_proto import v1
 from llmgw_proto.addr import parse_hostport, url_host
 
+from llmgw_agent.disagg import role_launch
 from llmgw_agent.engine_flags import ParsedArgs
 from llmgw_agent.kv_events import kv_events_target
 
@@ -328,10 +329,15 @@ def build_launch(
     *,
     bind_host: str,
     endpoint_host: str,
+    rdma: Sequence[str] = (),
 ) -> Launch:
-    """The argv and environment for ``start``; ValueError on what validation names too."""
-    argv = [*command, *adapter.arguments(start, bind_host, parsed)]
-    env = dict(start.env)
+    """The argv and environment for ``start``; ValueError on what validation names too.
+
+    ``rdma``: the node's RDMA devices, for a disaggregated pool's connector (disagg).
+    """
+    role_args, role_env = role_launch(adapter.name, start, parsed, endpoint_host, rdma)
+    argv = [*command, *adapter.arguments(start, bind_host, parsed), *role_args]
+    env = {**start.env, **role_env}
     # NVML numbers GPUs in PCI bus order; CUDA must too, or the indices mean other GPUs.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # Empty hides every GPU: a CPU-only shard must not grab one by accident.

@@ -17,6 +17,7 @@ from llmgw_proto.logs import setup_logging
 from llmgw_agent import __version__
 from llmgw_agent.adapters import adapter_for
 from llmgw_agent.config import AgentConfig, load_agent_config
+from llmgw_agent.disagg import rdma_devices
 from llmgw_agent.engines import load_installed
 from llmgw_agent.inventory import collect_inventory, open_gpus
 from llmgw_agent.plan import Refused, plan
@@ -157,6 +158,7 @@ def dry_run(config_path: str | None, start_path: str, as_json: bool) -> None:
         ports_in_use={r.start.port: r.shard_id for r in records},
         engines=load_installed(config, state_dir, (adapter.name,)) if adapter else {},
         gpu_memory=gpu_memory,
+        rdma_devices=rdma_devices(),
     )
     decided = plan(start, config, node, real_probes())
     launch = decided.launch

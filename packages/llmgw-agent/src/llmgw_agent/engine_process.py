@@ -92,6 +92,8 @@ class Engine:
             port=self.start.port,
             gpu_indices=list(self.start.gpu_indices),
             api_key=launch.api_key if state == S.READY else "",
+            role=self.start.role,
+            kv_port=self.start.kv_port,
         )
         if state in (S.FAILED, S.STOPPED):
             status.exit_code = self.exit_code

@@ -26,6 +26,7 @@ from llmgw_proto import v1
 from llmgw_proto.sizes import parse_size
 
 from llmgw_agent.config import AgentConfig, SimulatedGpus
+from llmgw_agent.disagg import rdma_devices
 
 __all__ = [
     "GpuSource",
@@ -325,6 +326,7 @@ def collect_inventory(config: AgentConfig, gpus: GpuSource) -> v1.Inventory:
         driver_version=gpus.driver_version,
         cuda_version=gpus.cuda_version,
         simulated=gpus.simulated,
+        rdma_devices=list(rdma_devices()),
     )
 
 

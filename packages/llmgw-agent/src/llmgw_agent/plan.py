@@ -14,6 +14,7 @@ from llmgw_proto import v1
 
 from llmgw_agent.adapters import Adapter, Launch, adapter_for, build_launch
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.disagg import role_problems
 from llmgw_agent.engine_flags import ParsedArgs
 from llmgw_agent.validation import NodeView, Probes, validate
 
@@ -48,6 +49,8 @@ def plan(
     spec = installed.spec if installed is not None else None
     parsed = spec.parse(start.engine_args) if spec is not None else None
     problems = validate(start, adapter, parsed, command, node, probes, bind_host=config.bind_host())
+    if adapter is not None:
+        problems += role_problems(start, adapter.name, parsed)
     launch = None
     if adapter is not None and parsed is not None:
         try:
@@ -58,6 +61,7 @@ def plan(
                 command,
                 bind_host=config.bind_host(),
                 endpoint_host=config.endpoint_host(),
+                rdma=node.rdma_devices,
             )
         except ValueError as err:  # e.g. a leader address validation already named
             if not problems:

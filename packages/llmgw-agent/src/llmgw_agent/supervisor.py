@@ -40,6 +40,7 @@ from llmgw_agent.adapters import (
     with_kv_endpoint,
 )
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.disagg import rdma_devices
 from llmgw_agent.engine_process import (
     Engine,
     exit_text,
@@ -208,6 +209,7 @@ class Supervisor:
             ports_in_use=ports_in_use,
             engines=self.installed(),
             gpu_memory=self._gpu_memory() if self._gpu_memory else {},
+            rdma_devices=rdma_devices(),
         )
 
     def running_shards(self) -> list[v1.RunningShard]:

@@ -53,6 +53,9 @@ class NodeView:
     engines: Mapping[str, InstalledEngine] = field(default_factory=dict)
     # GPU index -> (total, free) bytes, where known.
     gpu_memory: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # The node's RDMA devices (llmgw_agent.disagg.rdma_devices): a decode/prefill
+    # engine's transfer devices.
+    rdma_devices: tuple[str, ...] = ()
 
 
 def _read_text(path: str) -> str | None:

@@ -558,6 +558,8 @@ class Controller:
                 ),
                 load_timeout=dt.timedelta(seconds=p.load_timeout),
                 cpu_threads=p.cpu_threads,
+                role=p.role,
+                kv_port=command.kv_port,
             )
         )
 
@@ -640,6 +642,8 @@ class Controller:
                     engine=profile.engine,
                     api_key=report.api_key,
                     routes=report.routes,
+                    role=report.role or profile.role,
+                    kv_port=report.kv_port or r.kv_port,
                 )
             )
         for rid, text in problems.items():

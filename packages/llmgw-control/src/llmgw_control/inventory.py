@@ -105,6 +105,9 @@ class ShardReport:
     ports_taken: tuple[int, ...] = ()
     # The HTTP paths the engine serves, as the agent read them at READY (): not known.
     routes: tuple[str, ...] = ()
+    # What the agent said the engine serves as (issue 32): a pool's role and KV port.
+    role: str = ""
+    kv_port: int = 0
 
     @property
     def running(self) -> bool:
@@ -245,6 +248,7 @@ class Inventory:
             # READY names the engine's secret (empty: it takes none); later states do not.
             report.api_key = msg.api_key
             report.routes = tuple(msg.routes)
+            report.role, report.kv_port = msg.role, msg.kv_port
         report.pid = msg.pid or report.pid
         # A report first made from a status (not from Register) learns here what the
         # shard holds, so its port and GPUs stay taken even after its replica moves.

@@ -22,17 +22,12 @@ __all__ = ["CONNECTOR_FLAGS", "ROLES", "pd_pools", "pool_name", "with_role"]
 
 ROLES = ("prefill", "decode")
 
-# What the agent sets from a pool's role (llmgw_agent's adapters); a profile may not.
+# What the agent sets from a pool's role (llmgw_agent.disagg); a profile may not. (SGLang's
+# --disaggregation-transfer-backend and --disaggregation-ib-device the agent sets only
+# where the profile does not.)
 CONNECTOR_FLAGS: dict[str, frozenset[str]] = {
     "vllm": frozenset({"--kv-transfer-config", "--kv_transfer_config"}),
-    "sglang": frozenset(
-        {
-            "--disaggregation-mode",
-            "--disaggregation-bootstrap-port",
-            "--disaggregation-transfer-backend",
-            "--disaggregation-ib-device",
-        }
-    ),
+    "sglang": frozenset({"--disaggregation-mode", "--disaggregation-bootstrap-port"}),
     "llamacpp": frozenset(),
 }
 

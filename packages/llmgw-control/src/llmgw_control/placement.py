@@ -104,6 +104,8 @@ class Demand:
     spread: str = ""
     # A disaggregated pool's (label, value): only nodes with that value (llmgw_control.pd_place).
     fabric: tuple[str, str] = ("", "")
+    # A disaggregated pool's engine also needs its KV connector's port (on the leader).
+    kv_port: bool = False
 
     @classmethod
     def of(cls, profile: ProfileSpec) -> Demand:
@@ -114,6 +116,7 @@ class Demand:
             min_memory_bytes=profile.min_memory_bytes,
             same_label=profile.same_label,
             spread="" if profile.spread == SPREAD_NONE else profile.spread,
+            kv_port=bool(profile.role),
         )
 
     def domain(self, node: NodeView) -> str:
@@ -126,7 +129,7 @@ class Demand:
     def ports_per_node(self) -> int:
         # A multi-node leader needs a second port for the rendezvous (vLLM --master-port);
         # asking it of every candidate keeps the choice of leader free.
-        return 2 if self.nodes > 1 else 1
+        return (2 if self.nodes > 1 else 1) + (1 if self.kv_port else 0)
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,8 @@ class Placement:
     rendezvous_port: int = 0
     # Why these nodes: how many fit and what the rank preferred.
     reason: str = ""
+    # A disaggregated pool's KV connector port on the leader; 0 for none.
+    kv_port: int = 0
 
     @property
     def leader(self) -> ShardSlot:
@@ -314,6 +319,7 @@ def place(
             placement.rendezvous_port,
             f"{len(fitting)} of {total} nodes fit; {_why(demand, chosen, fitting)}"
             + spread_note(demand, chosen, crowd, seen, refused),
+            placement.kv_port,
         )
 
     removed = {name: len(removals[name].nodes) for name in FILTERS if name in removals}
@@ -465,7 +471,7 @@ def _assign(demand: Demand, chosen: Sequence[NodeView], lo: int, hi: int) -> Pla
     must not both be handed the first free port before either is committed.
     """
     shards: list[ShardSlot] = []
-    rendezvous = 0
+    rendezvous = kv = 0
     taken: dict[str, set[int]] = {}
     for rank, node in enumerate(chosen):
         eligible = node.eligible(demand.gpu_name, demand.min_memory_bytes)
@@ -480,8 +486,10 @@ def _assign(demand: Demand, chosen: Sequence[NodeView], lo: int, hi: int) -> Pla
         here.update(ports)
         if rank == 0 and demand.nodes > 1:
             rendezvous = ports[1]
+        if rank == 0 and demand.kv_port:
+            kv = ports[-1]
         shards.append(ShardSlot(node.node_id, rank, gpus, ports[0], node.address))
-    return Placement(tuple(shards), rendezvous)
+    return Placement(tuple(shards), rendezvous, kv_port=kv)
 
 
 def share_ports(views: Iterable[NodeView]) -> None:
@@ -502,6 +510,8 @@ def commit(placement: Placement, nodes: Mapping[str, NodeView]) -> None:
         node.used_ports.add(shard.port)
     if placement.rendezvous_port:
         nodes[placement.leader.node_id].used_ports.add(placement.rendezvous_port)
+    if placement.kv_port:
+        nodes[placement.leader.node_id].used_ports.add(placement.kv_port)
 
 
 class Placer:
@@ -596,7 +606,8 @@ class Placer:
                 return Placement(
                     placement.shards,
                     0,
-                    f"{roomy} of {total} nodes have {demand.gpus_per_node} or more free GPUs; "
+                    kv_port=placement.kv_port,
+                    reason=f"{roomy} of {total} nodes have {demand.gpus_per_node} or more free GPUs; "
                     f"chose {node.node_id}, the fullest that fits ({left} free GPUs left after this)"
                     + spread_note(demand, [node], crowd, (), {}),
                 )

@@ -64,6 +64,9 @@ class EndpointInfo(NamedTuple):
     api_key: str = ""
     # The HTTP paths the engine serves (the agent read them at READY); (): not known.
     routes: tuple[str, ...] = ()
+    # A disaggregated pool's role ("prefill"/"decode", "" aggregated) and KV port (issue 32).
+    role: str = ""
+    kv_port: int = 0
 
     def __repr__(self) -> str:
         shown = self._replace(api_key="***") if self.api_key else self
@@ -85,6 +88,8 @@ class EndpointInfo(NamedTuple):
             engine=_ENGINES.get(self.engine, v1.EngineKind.UNSPECIFIED),
             api_key=self.api_key,
             routes=list(self.routes),
+            role=self.role,
+            kv_port=self.kv_port,
         )
 
 

@@ -474,6 +474,7 @@ class _Pass:
             r.size = profile.nodes
             r.rendezvous_port = result.rendezvous_port
             r.leader_address = result.leader_address
+            r.kv_port = result.kv_port
             r.explanation = result.reason + (f"; {fabric}" if fabric else "")
             r.created_at = self.now
             r.revision = profile.revision
@@ -526,6 +527,10 @@ class _Pass:
                 view = views.get(r.shards[0].node_id)
                 if view is not None:
                     view.used_ports.add(r.rendezvous_port)
+            if r.kv_port and r.shards:
+                view = views.get(r.shards[0].node_id)
+                if view is not None:
+                    view.used_ports.add(r.kv_port)
         for n in self.nodes.values():
             view = views[n.node_id]
             for report in n.shards.values():
@@ -592,6 +597,7 @@ class _Pass:
             gpu_indices=plan.gpu_indices,
             port=plan.port,
             leader_address=r.leader_address,
+            kv_port=r.kv_port if plan.rank == 0 else 0,
         )
 
 

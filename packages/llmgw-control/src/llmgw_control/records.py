@@ -59,6 +59,8 @@ class Replica:
     shards: list[ShardPlan] = field(default_factory=list)
     rendezvous_port: int = 0
     leader_address: str = ""
+    # A disaggregated pool's KV connector port on the leader (issue 32); 0: none.
+    kv_port: int = 0
     # Placement attempts so far; part of shard ids so a retry never reuses one.
     attempt: int = 0
     failures: int = 0
@@ -116,6 +118,8 @@ class Start:
     gpu_indices: tuple[int, ...]
     port: int
     leader_address: str
+    # A disaggregated pool's KV connector port (StartShard.kv_port); 0: none.
+    kv_port: int = 0
 
 
 @dataclass(frozen=True)
