@@ -4,9 +4,10 @@ One control plane (mTLS, SQLite store), two agents with simulated vLLM engines a
 router, shared by the tests of this module in order: an unauthenticated change is
 refused; cordon then scale up places nothing on the cordoned node; the scale override
 survives a control-plane restart; a node drained under load from the openai client
-fails no request and never leaves fewer ready than wanted; ``logs -f`` follows an
-engine's output; ``rollout status --wait`` exits non-zero on a stopped rollout, and
-``rollout undo`` brings the fleet back.
+fails no request and never leaves fewer ready than wanted; ``restart`` replaces a
+replica with surge, failing nothing; ``logs -f`` follows an engine's output; ``rollout
+status --wait`` exits non-zero on a stopped rollout, and ``rollout undo`` brings the
+fleet back.
 """
 
 from __future__ import annotations
@@ -211,6 +212,27 @@ def test_drain_a_node_under_load_fails_no_request(fleet: Cluster) -> None:
     assert drain["drain"]["state"] == "drained"
 
 
+def test_restart_replaces_a_replica_with_surge(fleet: Cluster) -> None:
+    ok(fleet, "node", "uncordon", "gpu-a")  # gpu-b is full: room for the surge
+    old = ready(fleet)[0]["replica_id"]
+    results: list[str] = []
+    with ReadyWatch(fleet) as watch, traffic(fleet, results, workers=2):
+        wait_for(lambda: len(results) >= 10, timeout=60, what="traffic flowing")
+        said = ok(fleet, "restart", old)
+        assert f"replica {old} restarting" in said
+        wait_for(
+            lambda: (
+                old not in {r["replica_id"] for r in fleet.replicas("chat")}
+                and len(ready(fleet)) == 2
+            ),
+            timeout=120,
+            what="the replica replaced",
+        )
+    assert [r for r in results if r != "ok"] == []
+    assert watch.fewest >= 2
+    assert fleet.status()["operations"]["restarts"] == []  # done, forgotten
+
+
 def test_logs_follow_a_simulated_engine(fleet: Cluster) -> None:
     replica = ready(fleet)[0]["replica_id"]
     tail = ok(fleet, "logs", replica, "--tail", "5")
@@ -254,7 +276,6 @@ def test_logs_follow_a_simulated_engine(fleet: Cluster) -> None:
 
 
 def test_rollout_status_wait_fails_on_a_stopped_rollout_and_undo_restores(fleet: Cluster) -> None:
-    ok(fleet, "node", "uncordon", "gpu-a")  # room for the rollout's surge
     path = fleet.workdir / "control.yaml"
     config = json.loads(path.read_text())
     config["models"][0]["profiles"]["default"]["engine_args"] = ["--no-such-flag-at-all"]
