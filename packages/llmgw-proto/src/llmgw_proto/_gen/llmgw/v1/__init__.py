@@ -39,10 +39,13 @@ __all__ = (
     "LogsChunk",
     "LogsCredit",
     "LogsRequest",
+    "ModelRequests",
     "MultiNode",
     "NetworkInterface",
     "Register",
     "RegisterAck",
+    "RequestReply",
+    "RequestReport",
     "RunningShard",
     "ShardState",
     "ShardStatus",
@@ -1006,6 +1009,33 @@ default_message_pool.register_message("llmgw.v1", "LogsRequest", LogsRequest)
 
 
 @dataclass(eq=False, repr=False)
+class ModelRequests(betterproto2.Message):
+    """
+    What one router answered for one model since its previous RequestReport.
+    """
+
+    model: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    requests: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+
+    errors: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    Answered 5xx (no endpoint, upstream errors, streams cut by their engine).
+    """
+
+    ttft_bounds: "list[float]" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, repeated=True)
+    """
+    Time to first token: how many requests fell at or under each bound (seconds), per
+    bucket, not cumulative; the last bound may be +Inf. Bounds and counts pair up.
+    """
+
+    ttft_counts: "list[int]" = betterproto2.field(5, betterproto2.TYPE_UINT64, repeated=True)
+
+
+default_message_pool.register_message("llmgw.v1", "ModelRequests", ModelRequests)
+
+
+@dataclass(eq=False, repr=False)
 class MultiNode(betterproto2.Message):
     rank: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
 
@@ -1090,6 +1120,29 @@ class RegisterAck(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "RegisterAck", RegisterAck)
+
+
+@dataclass(eq=False, repr=False)
+class RequestReply(betterproto2.Message):
+    pass
+
+
+default_message_pool.register_message("llmgw.v1", "RequestReply", RequestReply)
+
+
+@dataclass(eq=False, repr=False)
+class RequestReport(betterproto2.Message):
+    router_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    models: "list[ModelRequests]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    interval: "float" = betterproto2.field(3, betterproto2.TYPE_DOUBLE)
+    """
+    Seconds since this router's previous report (0: its first).
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "RequestReport", RequestReport)
 
 
 @dataclass(eq=False, repr=False)
@@ -1544,6 +1597,29 @@ class EndpointServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def report_requests(
+        self,
+        message: "RequestReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "RequestReply":
+        """
+        Every few seconds a router reports, per model, the requests it answered since its
+        previous report: the control plane's status page shows requests/s, error rate and
+        time to first token per model from these.
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.EndpointService/ReportRequests",
+            message,
+            RequestReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 from ...google import protobuf as __google__protobuf__
 
@@ -1626,6 +1702,15 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def report_requests(self, message: "RequestReport") -> "RequestReply":
+        """
+        Every few seconds a router reports, per model, the requests it answered since its
+        previous report: the control plane's status page shows requests/s, error rate and
+        time to first token per model from these.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_watch(
         self, stream: "grpclib.server.Stream[WatchRequest, EndpointSnapshot]"
     ) -> None:
@@ -1673,6 +1758,14 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_usage(request)
         await stream.send_message(response)
 
+    async def __rpc_report_requests(
+        self, stream: "grpclib.server.Stream[RequestReport, RequestReply]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_requests(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.EndpointService/Watch": grpclib.const.Handler(
@@ -1704,5 +1797,11 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 UsageReport,
                 UsageReply,
+            ),
+            "/llmgw.v1.EndpointService/ReportRequests": grpclib.const.Handler(
+                self.__rpc_report_requests,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                RequestReport,
+                RequestReply,
             ),
         }
