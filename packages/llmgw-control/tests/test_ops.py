@@ -439,3 +439,26 @@ def test_scaled_to_zero_by_an_operator_stays_at_zero_on_demand() -> None:
     # Without the override, a router's demand starts one.
     config = ScaleSpec(min=0, max=2)
     assert autoscale(config, ScaleState(wanted=0), 0, [], 10.0, demand_at=9.0).wanted == 1
+
+
+@given(
+    st.integers(1, 5),
+    st.sets(st.integers(0, 4)),
+    st.integers(0, 8),
+    st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_pass_starts_nothing_on_cordoned_or_draining_nodes(
+    nodes: int, held: set[int], replicas: int, drain: bool
+) -> None:
+    names = [f"n{i}" for i in range(nodes)]
+    world = World(catalog(replicas=replicas), *(make_node(n, address=f"10.0.0.{i}")
+                                                 for i, n in enumerate(names)))  # fmt: skip
+    for i in held & set(range(nodes)):
+        world.apply(ops.Verb("drain" if drain else "cordon", names[i], deadline=60.0))
+    off = {names[i] for i in held if i < nodes}
+    for _ in range(3):
+        d = world.step()
+        assert not {s.node_id for s in starts(d)} & off
+        for s in starts(d):
+            world.report(s, S.READY)
