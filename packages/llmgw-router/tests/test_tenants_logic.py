@@ -505,3 +505,32 @@ async def test_a_broken_key_stream_is_tried_again() -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_headroom_lets_a_light_key_past_a_flooding_one() -> None:
+    tenancy = _tenancy(queue=QueueConfig(per_endpoint=2, headroom=1, max_wait=Duration(30.0)))
+    ep = Endpoint(spec=EndpointSpec(id="e", url="http://127.0.0.1:1", models=("m",)))
+    flood = ApiKey(b"f", "flood", frozenset())
+    light = ApiKey(b"l", "light", frozenset())
+    running = [await tenancy.admit(flood, "m", (ep,), b"{}") for _ in range(2)]
+    held = [asyncio.create_task(tenancy.admit(flood, "m", (ep,), b"{}")) for _ in range(3)]
+    await _yield()
+    gate = tenancy.gates["m"]
+    assert (gate.in_flight, len(gate.queue)) == (2, 3)
+    # The light key has nothing in flight, below its share (1 of 2 keys x 2): it goes at
+    # once into the headroom, past the flood's held requests, which stay held.
+    light_ticket = await tenancy.admit(light, "m", (ep,), b"{}")
+    assert (gate.in_flight, len(gate.queue)) == (3, 3)
+    # The flood gets no headroom: one of its own ending leaves the cap full (the light
+    # key's request counts), so none of its held ones goes ...
+    tenancy.done(running.pop(), 1, 1, 200)
+    await _yield()
+    assert (gate.in_flight, len(gate.queue)) == (2, 3)
+    # ... until the light one ends too.
+    tenancy.done(light_ticket, 1, 1, 200)
+    await _yield()
+    assert (gate.in_flight, len(gate.queue)) == (2, 2)
+    for task in held:
+        task.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    await tenancy.close()

@@ -16,9 +16,10 @@ class QueueConfig(BaseConfig):
     # Full: this router process's (worker's) requests in flight for the model reach this
     # many per usable endpoint. 0: no such cap.
     per_endpoint: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
-    # Every band but the lowest may go this many requests per usable endpoint past
-    # per_endpoint, so that a request of a higher band does not wait for a slot while a
-    # lower band keeps the engines full.
+    # A band above one with requests in flight, and a key with fewer in flight than an
+    # equal share of the cap, may go this many requests per usable endpoint past
+    # per_endpoint: a request of a higher band, or of a light key, does not wait for a
+    # slot while a lower band or a flooding key keeps the engines full.
     headroom: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # Full: every endpoint of the model reports (load reports) at least this many
     # requests waiting in its engine. 0: the engines' queues are not looked at.

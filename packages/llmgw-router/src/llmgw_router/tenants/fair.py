@@ -109,15 +109,20 @@ class FairQueue(Generic[T]):
                 return held
         return None
 
-    def next_band(self) -> int | None:
-        """The band :meth:`pop` would serve now; None when nothing is held."""
-        for i, b in enumerate(self._bands):
+    def peek(self) -> Held[T] | None:
+        """What :meth:`pop` would serve now, left in place; None when nothing is held."""
+        for b in self._bands:
             heap = b.heap
             while heap and heap[0].gone:
                 heapq.heappop(heap)
             if heap:
-                return i
+                return heap[0]
         return None
+
+    def next_band(self) -> int | None:
+        """The band :meth:`pop` would serve now; None when nothing is held."""
+        held = self.peek()
+        return None if held is None else held.band
 
     def shed(self) -> Held[T] | None:
         """The victim when over the bound: the newest item of the lowest band holding any."""

@@ -108,6 +108,8 @@ class Ticket:
     state: KeyState | None
     reservation: Reservation | None
     gated: bool
+    # The band's index (0: the highest).
+    level: int = 0
     held: float = 0.0
     done: bool = False
 
@@ -119,8 +121,35 @@ class _Gate:
     queue: FairQueue[asyncio.Future[None]]
     candidates: tuple[Endpoint, ...] = ()
     in_flight: int = 0
+    # In flight through the gate per key (for the keys' fair shares of the cap) and per
+    # band.
+    by_key: dict[str, int] = field(default_factory=dict)
+    by_band: list[int] = field(default_factory=list)
     # Held requests by id(future): their place in the queue and when they came.
     waiters: dict[int, tuple[Held[asyncio.Future[None]], float]] = field(default_factory=dict)
+
+
+def _go(gate: _Gate, key: str, band: int) -> None:
+    gate.in_flight += 1
+    gate.by_band[band] += 1
+    gate.by_key[key] = gate.by_key.get(key, 0) + 1
+
+
+def _left(gate: _Gate, key: str, band: int) -> None:
+    gate.in_flight -= 1
+    gate.by_band[band] -= 1
+    left = gate.by_key.get(key, 0) - 1
+    if left > 0:
+        gate.by_key[key] = left
+    else:
+        gate.by_key.pop(key, None)
+
+
+def _under_share(gate: _Gate, key: str, room: int) -> bool:
+    """``key`` has fewer in flight than an equal share of ``room`` among the keys in flight."""
+    mine = gate.by_key.get(key, 0)
+    keys = len(gate.by_key) + (0 if mine else 1)
+    return mine * keys < room
 
 
 def _period(kind: str, wall: float) -> str:
@@ -241,7 +270,9 @@ class Tenancy:
                     self.metrics.child(self.metrics.refused, name, got.limit).inc()
                     raise self._refusal(key, ks, got, at)
                 reservation = got
-        ticket = Ticket(name, self.config.bands[band], model, ks, reservation, self.queue_on)
+        ticket = Ticket(
+            name, self.config.bands[band], model, ks, reservation, self.queue_on, level=band
+        )
         if self.queue_on:
             try:
                 await self._through_gate(ticket, band, key, candidates)
@@ -306,7 +337,7 @@ class Tenancy:
             ticket.gated = False
             gate = self.gates.get(ticket.model)
             if gate is not None:
-                gate.in_flight -= 1
+                _left(gate, name, ticket.level)
                 self._drain(gate)
 
     # ------------------------------------------------------------------ the queue
@@ -314,24 +345,30 @@ class Tenancy:
     def _gate(self, model: str, candidates: tuple[Endpoint, ...]) -> _Gate:
         gate = self.gates.get(model)
         if gate is None:
-            gate = self.gates[model] = _Gate(FairQueue(len(self.bands)))
+            bands = len(self.bands)
+            gate = self.gates[model] = _Gate(FairQueue(bands), by_band=[0] * bands)
         gate.candidates = candidates
         return gate
 
-    def full(self, gate: _Gate, at: float, band: int = 0) -> bool:
-        """The model's engines take no more of ``band`` now: this router's cap per
-        endpoint (every band but the lowest may go `headroom` past it), or every engine
-        reporting requests waiting."""
+    def full(self, gate: _Gate, at: float, band: int = 0, key: str | None = None) -> bool:
+        """The model's engines take no more of ``band`` (for ``key``) now: this router's
+        cap per endpoint, or every engine reporting requests waiting. A band above one
+        with requests in flight, and a key below its equal share of the cap, may go
+        `headroom` past it."""
         queue = self.config.queue
         candidates = gate.candidates
         usable = [ep for ep in candidates if ep.usable(at)] or list(candidates)
         if not usable:
             return False
         cap = queue.per_endpoint
-        if cap and band < len(self.bands) - 1:
-            cap += queue.headroom
-        if cap and gate.in_flight >= cap * len(usable):
-            return True
+        if cap:
+            room = cap * len(usable)
+            if queue.headroom and (
+                any(gate.by_band[band + 1 :]) or (key is not None and _under_share(gate, key, room))
+            ):
+                room += queue.headroom * len(usable)
+            if gate.in_flight >= room:
+                return True
         if queue.engine_waiting:
             for ep in usable:
                 engine = ep.fresh_engine(at)
@@ -348,9 +385,19 @@ class Tenancy:
     ) -> None:
         gate = self._gate(ticket.model, candidates)
         at = now()
-        if not len(gate.queue) and not self.full(gate, at, band):
-            gate.in_flight += 1
-            return
+        queue = gate.queue
+        name = ticket.key
+        if not len(queue):
+            if not self.full(gate, at, band):
+                _go(gate, name, band)
+                return
+        elif self.config.queue.headroom:
+            # Others held: a key below its share may still go into the headroom, unless a
+            # higher band is waiting.
+            first = queue.next_band()
+            if first is not None and first >= band and not self.full(gate, at, band, name):
+                _go(gate, name, band)
+                return
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         weight = float(key.weight) if key is not None else 1.0
@@ -371,7 +418,7 @@ class Tenancy:
             if future.done() and not future.cancelled() and future.exception() is None:
                 # Let go by _drain (and counted in flight) just as it timed out or the
                 # client left: not going after all.
-                gate.in_flight -= 1
+                _left(gate, name, ticket.level)
                 self._drain(gate)
             if isinstance(err, TimeoutError):
                 raise self._overloaded(ticket.model, "queue_timeout", held) from None
@@ -411,9 +458,9 @@ class Tenancy:
             return
         at = now()
         while True:
-            band = queue.next_band()
+            best = queue.peek()
             # The best held request cannot go: a lower band could not either.
-            if band is None or self.full(gate, at, band):
+            if best is None or self.full(gate, at, best.band, best.key):
                 break
             held = queue.pop()
             if held is None:
@@ -421,7 +468,7 @@ class Tenancy:
             gate.waiters.pop(id(held.item), None)
             if held.item.done():
                 continue
-            gate.in_flight += 1
+            _go(gate, held.key, held.band)
             held.item.set_result(None)
 
     def _tick(self) -> None:

@@ -214,16 +214,29 @@ class KeyState:
     def headers(self, now: float) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-* headers for the limits this key has."""
         out: list[tuple[bytes, bytes]] = []
-        for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
+        for names, bucket in ((_REQUESTS, self.requests), (_TOKENS, self.tokens)):
             if bucket is None:
                 continue
             bucket.refill(now)
-            out.append((b"x-ratelimit-limit-" + kind.encode(), b"%d" % int(bucket.capacity)))
-            out.append(
-                (b"x-ratelimit-remaining-" + kind.encode(), b"%d" % max(0, int(bucket.level)))
+            level = bucket.level
+            out += (
+                (names[0], b"%d" % bucket.capacity),
+                (names[1], b"%d" % level if level > 0 else b"0"),
+                (names[2], reset_text(bucket.until_full())),
             )
-            out.append((b"x-ratelimit-reset-" + kind.encode(), reset_text(bucket.until_full())))
         return out
+
+
+_REQUESTS = (
+    b"x-ratelimit-limit-requests",
+    b"x-ratelimit-remaining-requests",
+    b"x-ratelimit-reset-requests",
+)
+_TOKENS = (
+    b"x-ratelimit-limit-tokens",
+    b"x-ratelimit-remaining-tokens",
+    b"x-ratelimit-reset-tokens",
+)
 
 
 def _resized(bucket: Bucket | None, capacity: float, now: float) -> Bucket | None:
