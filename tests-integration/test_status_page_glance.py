@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,11 +97,26 @@ def test_status_page_at_a_glance(cluster: Cluster, page: Any, tmp_path: Path) ->
     assert "GB" in gpu or "GiB" in gpu, gpu
     assert "% busy" in gpu, gpu
 
-    # Some traffic, then the sparklines grow as samples are taken (every 10 s).
+    # Traffic through the router until the row shows the routers' figures (reported
+    # every 5 s, sampled every 10 s): requests/s, error rate, TTFT.
+    rps = page.locator('#models tr[data-model="chat"] td.rps')
+    deadline = time.monotonic() + 90
     with httpx.Client(base_url=cluster.router_url, timeout=60) as client:
         body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
-        for _ in range(3):
+        while rps.inner_text() == "—":
+            assert time.monotonic() < deadline, "the routers' figures never reached the page"
             assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert float(rps.inner_text()) > 0
+    assert page.inner_text('#models tr[data-model="chat"] td.errors') == "0.0%"
+    assert "ms" in page.inner_text('#models tr[data-model="chat"] td.ttft')
+    # The history keeps them (the row shows only the last sample's).
+    series = cluster.status()["history"]["models"]["chat"]
+    sampled = [
+        (p50, p90) for p50, p90 in zip(series["ttft_p50"], series["ttft_p90"], strict=True) if p50
+    ]
+    assert sampled, series
+    assert all(p90 >= p50 > 0 for p50, p90 in sampled), sampled
+    assert max(x or 0 for x in series["requests_per_s"]) > 0, series
     page.wait_for_function(
         """() => Number(document.querySelector('#models tr[data-model="chat"] .spark-kv svg')
               ?.getAttribute("data-points") || 0) >= 2""",

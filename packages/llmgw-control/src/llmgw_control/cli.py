@@ -138,7 +138,9 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
         controller.metrics.refusals.labels(stream, "too large").inc()
 
     server = GatedServer(
-        leading.services([controller.agents, controller.publisher, tenants]),
+        leading.services(
+            [controller.agents, controller.publisher, tenants, controller.requests_in]
+        ),
         ssl_context=ssl,
         on_refused=refused,
         max_message=config.max_message_bytes,
@@ -166,7 +168,7 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     housekeeping = [
         asyncio.create_task(keep_heap()),
         asyncio.create_task(watch_loop_lag(controller.metrics)),
-        asyncio.create_task(run_sampler(controller.history, controller.model_figures)),
+        asyncio.create_task(run_sampler(controller.history, controller.sample_figures)),
     ]
     if reloader is not None:
         housekeeping.append(asyncio.create_task(reloader.run()))

@@ -27,7 +27,7 @@ from llmgw_control.autoscaler import Autoscaler
 from llmgw_control.bounds import admit_shard, clip_status, status_problem
 from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
-from llmgw_control.history import History, ModelFigures, model_rows
+from llmgw_control.history import History, ModelFigures, RequestIntake, model_rows
 from llmgw_control.inventory import Inventory, NodeState
 from llmgw_control.loads import Figures
 from llmgw_control.lora import LoraManager
@@ -129,6 +129,8 @@ class Controller:
         self.reload_refused: dict[str, str] | None = None
         # An hour of per-model figures for the status page (cli.serve runs the sampler).
         self.history = History()
+        # The routers' ReportRequests, summed per model between samples.
+        self.requests_in = RequestIntake()
         self.publisher = Publisher(self.metrics)
         self.publisher.on_demand = self.on_demand
         self.agents = AgentService(
@@ -592,7 +594,12 @@ class Controller:
             for r in self.state.replicas.values()
             if not r.draining
         )
-        return model_rows(wanted, replicas)
+        return model_rows(wanted, replicas, self.requests_in.last)
+
+    def sample_figures(self) -> list[ModelFigures]:
+        """The history's sample: the routers' figures since the last one, then the rows."""
+        self.requests_in.take()
+        return self.model_figures()
 
     def refuse_reload(self, error: str) -> None:
         """A reload (SIGHUP) whose file was refused: the previous config runs; status and

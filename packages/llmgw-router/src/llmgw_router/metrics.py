@@ -92,6 +92,13 @@ class _Family:
             child = self._children[values] = self._new()
         return child
 
+    def samples(self) -> list[tuple[tuple[str, ...], Any]]:
+        """(label values, value): a counter's number, a histogram's per-bucket counts."""
+        return [
+            (values, child.value if isinstance(child, _CounterChild) else list(child.counts))
+            for values, child in self._children.items()
+        ]
+
     def clear(self) -> None:
         self._children.clear()
         if not self.labelnames:

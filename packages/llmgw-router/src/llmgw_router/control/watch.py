@@ -50,6 +50,7 @@ from llmgw_proto.v1 import Endpoint as WireEndpoint
 from llmgw_proto.v1 import EndpointLoad as WireLoad
 
 from llmgw_router.config import ControlConfig
+from llmgw_router.control.requests import RequestsReporter
 from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSpec, EngineLoad
 from llmgw_router.lora import apply_adapters
 from llmgw_router.state import RouterState, now
@@ -218,6 +219,8 @@ class EndpointWatcher:
         state.lora.wake = self._demand.set
         # Keys and shares (control/keys.py), on the same channel; None: not asked for.
         self.keys: KeysClient | None = None
+        # Per-model request figures for the control plane's status page (requests.py).
+        self.requests = RequestsReporter(state.metrics, router_id)
 
     # ------------------------------------------------------------------ snapshots
 
@@ -372,6 +375,7 @@ class EndpointWatcher:
                 if self.state.config.load_reports.enabled:
                     helpers.append(asyncio.create_task(self._load_loop(channel, lost)))
                 helpers.append(asyncio.create_task(self._demand_loop(channel)))
+                helpers.append(asyncio.create_task(self.requests.report(channel)))
                 if self.keys is not None:
                     helpers.append(asyncio.create_task(self.keys.watch(channel)))
                     helpers.append(asyncio.create_task(self.keys.report(channel)))
