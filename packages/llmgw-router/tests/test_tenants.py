@@ -140,8 +140,9 @@ def test_a_flooding_key_waits_behind_its_own_requests(
     router = _saturated_router(spawn_upstream, spawn_router)
     url = router.url + "/v1/chat/completions"
     done: list[str] = []
-    # The first holds the engine a while (100 tokens), so that the rest queue behind it.
-    threads = [_fire(url, "sk-flood", done, "flood0", max_tokens=100)]
+    # The first holds the engine a while (200 tokens, 10 s: long enough on a loaded
+    # machine), so that the rest queue behind it.
+    threads = [_fire(url, "sk-flood", done, "flood0", max_tokens=200)]
     wait_for(lambda: _in_flight(router) == 1, timeout=60, what="the engine busy")
     threads += [_fire(url, "sk-flood", done, f"flood{i}") for i in range(1, 8)]
     # Seven held behind the one the engine has.
@@ -164,7 +165,7 @@ def test_a_higher_band_goes_first(spawn_upstream: Spawn, spawn_router: Spawn) ->
     router = _saturated_router(spawn_upstream, spawn_router)
     url = router.url + "/v1/chat/completions"
     done: list[str] = []
-    threads = [_fire(url, "sk-bulk", done, "bulk0", max_tokens=100)]
+    threads = [_fire(url, "sk-bulk", done, "bulk0", max_tokens=200)]
     wait_for(lambda: _in_flight(router) == 1, timeout=60, what="the engine busy")
     threads += [_fire(url, "sk-bulk", done, f"bulk{i}") for i in range(1, 6)]
     wait_for(lambda: _held(router, "bulk") == 5, timeout=60, what="bulk held")
