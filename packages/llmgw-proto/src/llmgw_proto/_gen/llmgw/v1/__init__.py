@@ -652,6 +652,21 @@ class EngineInfo(betterproto2.Message):
     validation with this reason.
     """
 
+    value_flags: "list[str]" = betterproto2.field(100, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The flags the engine's help lists (issue 29 point 9), every spelling, the
+    print-and-exit ones left out: those that take a value, and those that take none.
+    `llmgw-control check --admin` judges profiles' engine_args against them.
+    """
+
+    switch_flags: "list[str]" = betterproto2.field(101, betterproto2.TYPE_STRING, repeated=True)
+
+    flags_listed: "bool" = betterproto2.field(102, betterproto2.TYPE_BOOL)
+    """
+    True when the two lists above are the whole help (an agent sends none rather than
+    a part when they would pass the control plane's bounds; an older agent sends none).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "EngineInfo", EngineInfo)
 
