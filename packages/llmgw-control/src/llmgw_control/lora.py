@@ -31,7 +31,7 @@ __all__ = ["LoraManager"]
 log = structlog.get_logger(__name__)
 
 # Demand counted over this window for an adapter's rate.
-RATE_WINDOW = 10.0
+RATE_WINDOW = 60.0
 # Held requests are forgotten when no router repeats them for this long.
 HELD_TTL = 5.0
 # An adapter to unload is first hidden from routers (EndpointLoad.adapters) for this long,
