@@ -134,7 +134,7 @@ class Exchange:
             if verdict is not Verdict.RETRY:
                 if verdict is Verdict.BUDGET:
                     metrics.child(metrics.retries_denied, ctx.model).inc()
-                await self._give_up(ctx, send, ep, last_failure, splice)
+                await self._give_up(ctx, send, ep, last_failure, splice, verdict.value)
                 return
             ctx.retries += 1
             metrics.child(metrics.retries, ctx.model).inc()
@@ -201,11 +201,12 @@ class Exchange:
         ep: Endpoint,
         failure: UpstreamFailure,
         splice: Splice | None = None,
+        why: str = "retries_spent",
     ) -> None:
         if splice is not None and splice.started:
-            # A continuation found no engine: the client's stream has begun, so it ends
-            # with the error event.
-            await self._broken(ctx, send, splice, "retries_spent", failure.detail)
+            # A continuation found no engine (``why``: retry.py's verdict): the client's
+            # stream has begun, so it ends with the error event.
+            await self._broken(ctx, send, splice, why, failure.detail)
             return
         if failure.response is not None:
             # The engine's own answer, in the router's (OpenAI's) error shape.
