@@ -36,6 +36,9 @@ What a client may send before it is judged is bounded (``http:`` in the config):
 - beyond ``max_connections`` connections, a request is answered 503 (Retry-After)
   and its connection closes.
 
+Each answer written here (400, 408, 414, 431) is counted in
+``llmgw_router_requests_total`` with ``model=""`` and ``endpoint=""``.
+
 A connection closed after an answer while the client may still be sending is closed
 as nginx does ("lingering close"): our side is shut for writing, and what still comes
 is read and dropped, up to ``LINGER_BYTES`` or ``LINGER_SECONDS``, so that the client
@@ -425,6 +428,7 @@ class ProxyProtocol(asyncio.Protocol):
                 code,
             )
         )
+        self._count_refusal(status)
         self._linger()
 
     def _linger(self) -> None:
@@ -470,6 +474,7 @@ class ProxyProtocol(asyncio.Protocol):
                     "request_timeout",
                 )
             )
+            self._count_refusal(408)
         transport.close()
 
     def _refuse(self, detail: str) -> None:
@@ -479,7 +484,14 @@ class ProxyProtocol(asyncio.Protocol):
             return
         if self.active is None:
             transport.write(framing_error_response(detail))
+            self._count_refusal(400)
         transport.close()
+
+    def _count_refusal(self, status: int) -> None:
+        """An answer written here, before any route or model is known, is counted too:
+        ``model=""`` and ``endpoint=""``, as the proxy counts its early refusals."""
+        metrics = self.app.state.metrics
+        metrics.child(metrics.requests, "", str(status), "").inc()
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its low-water mark."""
