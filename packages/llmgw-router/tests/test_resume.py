@@ -391,6 +391,22 @@ def _chat(**extra: Any) -> bytes:
             "content_parts",
         ),
         (CHAT_PATH, b'{"model":"m","stream":true,"n":"two"}', "body"),
+        (
+            CHAT_PATH,
+            _chat(
+                messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+            ),
+            "final_assistant",
+        ),
+        (
+            CHAT_PATH,
+            _chat(
+                messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                continue_final_message=True,
+                add_generation_prompt=False,
+            ),
+            None,
+        ),
     ],
 )
 def test_refusal(path: str, body: bytes, why: str | None) -> None:

@@ -11,6 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from llmgw_sim.protocol import parse_chat
 from llmgw_sim.testing import Sim, start
 
 MESSAGES = [
@@ -143,3 +146,31 @@ def test_llama_server_continues_a_final_assistant_message(llama: Sim, client: ht
         client, llama, messages=[*MESSAGES, {"role": "assistant", "content": head}], max_tokens=11
     )
     assert head + rest == whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=30)),
+        min_size=1,
+        max_size=4,
+    ),
+    text=st.text(max_size=30),
+    llama=st.booleans(),
+)
+def test_a_continued_final_message_renders_the_prompt_followed_by_its_text(
+    turns: list[tuple[str, str]], text: str, llama: bool
+) -> None:
+    """The prompt of a continuation is the original prompt and the text so far, so the
+    greedy text goes on exactly: vLLM's continue_final_message, llama-server's prefill."""
+    # llama-server takes a final assistant message as a prefill already (the router does
+    # not resume such a chat: resume.py's `final_assistant`).
+    assume(not (llama and turns[-1][0] == "assistant"))
+    messages = [{"role": role, "content": content} for role, content in turns]
+    whole = parse_chat({"messages": messages}, prefill_assistant=llama).prompt_text
+    final = {"role": "assistant", "content": text}
+    flags = {} if llama else {"continue_final_message": True, "add_generation_prompt": False}
+    continued = parse_chat(
+        {"messages": [*messages, final], **flags}, prefill_assistant=llama
+    ).prompt_text
+    assert continued == whole + text

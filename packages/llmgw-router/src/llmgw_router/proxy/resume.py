@@ -123,15 +123,21 @@ def refusal(path: str, body: bytes) -> str | None:
         # One prompt, as text: a list of token ids cannot have text appended.
         if not (raw.startswith(b'"') or (raw.startswith(b'["') and _one_string(raw))):
             return "prompt_not_text"
-    elif facts.continue_final_message:
-        # The client's own prefill: its text must be a string to append to.
+    else:
         try:
             messages = _decode_messages(facts.messages)
         except msgspec.DecodeError:
             return "body"
         last = messages[-1] if messages else None
-        if last is None or not bytes(last.content).strip().startswith(b'"'):
-            return "content_parts"
+        if facts.continue_final_message:
+            # The client's own prefill: its text must be a string to append to.
+            if last is None or not bytes(last.content).strip().startswith(b'"'):
+                return "content_parts"
+        elif last is not None and last.role == "assistant":
+            # A final assistant message the client did not mark: vLLM and SGLang take it
+            # as a finished turn, llama-server as the start of the answer (a prefill).
+            # Which one the answer continues depends on the engine: not resumed.
+            return "final_assistant"
     return None
 
 
