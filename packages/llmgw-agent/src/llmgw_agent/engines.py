@@ -34,6 +34,7 @@ __all__ = [
     "load_installed",
     "metadata_version_argv",
     "parse_version",
+    "reported_flags",
     "version_argv",
 ]
 
@@ -56,12 +57,36 @@ class InstalledEngine:
     error: str = ""
 
     def info(self) -> v1.EngineInfo:
+        value_flags, switch_flags = reported_flags(self.spec)
         return v1.EngineInfo(
             kind=KIND_OF[self.kind],
             version=self.version,
             executable=self.executable,
             error=self.error,
+            value_flags=value_flags,
+            switch_flags=switch_flags,
+            flags_listed=self.spec is not None and bool(value_flags or switch_flags),
         )
+
+
+# What Register may carry of one engine's flags: the control plane's bounds.py refuses
+# a Register past them (Bounds.engine_flags, Bounds.engine_flag), so past them none are
+# sent (flags_listed false: the control plane then judges no flag of that engine).
+FLAGS_MAX = 4096
+FLAG_CHARS_MAX = 128
+
+
+def reported_flags(spec: FlagSpec | None) -> tuple[list[str], list[str]]:
+    """Pure: (value-taking, valueless) spellings of ``spec``'s options, sorted; both empty
+    without a spec or when they would pass :data:`FLAGS_MAX` / :data:`FLAG_CHARS_MAX`."""
+    if spec is None:
+        return [], []
+    names = spec.spellings()
+    if len(names) > FLAGS_MAX or any(len(n) > FLAG_CHARS_MAX for n in names):
+        return [], []
+    value = sorted(n for n in names if spec.takes_value(n))
+    switch = sorted(n for n in names if not spec.takes_value(n))
+    return value, switch
 
 
 def _run(argv: Sequence[str], timeout: float) -> tuple[int, str]:

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from llmgw_proto import v1
 
-__all__ = ["Bounds", "admit_shard", "clip", "clip_status", "register_problem", "status_problem"]
+__all__ = [
+    "Bounds",
+    "admit_shard",
+    "clip",
+    "clip_status",
+    "engines_problem",
+    "register_problem",
+    "status_problem",
+]
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,12 @@ class Bounds:
     # indices than this, is not a real one: it is dropped.
     status_id: int = 1024
     gpu_indices: int = 256
+    # Engines one node reports, and the flags each engine's help lists (EngineInfo's
+    # value_flags + switch_flags) and each flag's length: the agent sends none past these
+    # (llmgw_agent.engines.FLAGS_MAX, FLAG_CHARS_MAX); real engines list 400-600.
+    engines: int = 16
+    engine_flags: int = 4096
+    engine_flag: int = 128
 
 
 def register_problem(msg: v1.Register, bounds: Bounds, size: int | None = None) -> str | None:
@@ -57,9 +71,30 @@ def register_problem(msg: v1.Register, bounds: Bounds, size: int | None = None) 
             )
     if len(msg.shards) > bounds.shards:
         return f"shards: {len(msg.shards)} shards reported, at most {bounds.shards}"
+    problem = engines_problem(msg.engines, bounds)
+    if problem:
+        return problem
     encoded = size if size is not None else len(bytes(msg))
     if encoded > bounds.register_bytes:
         return f"the Register is {encoded} bytes, at most {bounds.register_bytes}"
+    return None
+
+
+def engines_problem(engines: list[v1.EngineInfo], bounds: Bounds) -> str | None:
+    """Pure: why Register's ``engines`` are more than one node's (naming the field)."""
+    if len(engines) > bounds.engines:
+        return f"engines: {len(engines)} engines reported, at most {bounds.engines}"
+    for i, e in enumerate(engines):
+        count = len(e.value_flags) + len(e.switch_flags)
+        if count > bounds.engine_flags:
+            return f"engines[{i}]: {count} flags, at most {bounds.engine_flags}"
+        for field in ("value_flags", "switch_flags"):
+            for flag in getattr(e, field):
+                if len(flag) > bounds.engine_flag:
+                    return (
+                        f"engines[{i}].{field}: {flag[:40]!r}... is {len(flag)} characters, "
+                        f"at most {bounds.engine_flag}"
+                    )
     return None
 
 

@@ -12,18 +12,22 @@ engines start, found here first (exit 1, one line per problem, each naming the p
   offers usable (the engines the agents report), or that want more GPUs per node, or
   more nodes, than any are.
 
-Engine flags against each engine's help are checked by the agent that starts it
-(``llmgw-agent dry-run``): the help lives with the agents, not here.
+- with ``--admin``: flags in ``engine_args`` that a ready node's engine does not accept,
+  judged against the flags its help lists (the agents report them in Register:
+  ``EngineInfo.value_flags`` / ``switch_flags``; served by GET /v1/engine-flags), once per
+  engine version, naming the nodes that run it. Values (arity, choices) are judged by
+  the agent that starts the engine (``llmgw-agent dry-run``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from llmgw_control.catalog import ProfileSpec
 
-__all__ = ["against_fleet", "parallel_problem", "problems"]
+__all__ = ["against_engine_flags", "against_fleet", "parallel_problem", "problems", "unknown_flags"]
 
 # Spellings of each size, per engine; the first is what messages name.
 _SIZES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
@@ -138,4 +142,93 @@ def against_fleet(profiles: Iterable[ProfileSpec], status: Mapping[str, Any]) ->
             out.append(
                 f"{where}.nodes: {p.nodes}, but {len(offering)} ready node(s) offer {p.engine}"
             )
+    return out
+
+
+_NUMBER = re.compile(r"-\d+(\.\d+)?")
+
+
+def _is_flag(engine: str, arg: str, known: frozenset[str]) -> bool:
+    if engine == "llamacpp":  # llama.cpp takes values that start with a single '-'
+        return arg.partition("=")[0] in known or arg.startswith("--")
+    return arg.startswith("-") and arg not in ("-", "--") and not _NUMBER.fullmatch(arg)
+
+
+def _accepted(engine: str, name: str, value_flags: frozenset[str], known: frozenset[str]) -> bool:
+    if name in known:
+        return True
+    if engine == "vllm":
+        if name.startswith("-O") and not name.startswith("--"):
+            return "--optimization-level" in known  # -O3 / -O=3
+        if name.startswith("--"):
+            # vLLM reads --x_y as --x-y, and --json-arg.key as a key of a JSON option.
+            head, dot, _ = name.partition(".")
+            head = head.replace("_", "-")
+            return head in (value_flags if dot else known)
+    if engine != "llamacpp" and not name.startswith("--"):
+        # argparse reads "-tp2" as "-tp 2".
+        return any(name[:cut] in value_flags for cut in range(2, len(name)))
+    return False
+
+
+def unknown_flags(
+    engine: str,
+    engine_args: Sequence[str],
+    value_flags: frozenset[str],
+    switch_flags: frozenset[str],
+) -> list[str]:
+    """Pure: the flags in ``engine_args`` that an engine listing these flags does not
+    accept, in order, each once. Values after a flag, and positional words, are skipped."""
+    known = value_flags | switch_flags
+    out: list[str] = []
+    for arg in engine_args:
+        if not _is_flag(engine, arg, known):
+            continue
+        name = arg.partition("=")[0]
+        if not _accepted(engine, name, value_flags, known) and name not in out:
+            out.append(name)
+    return out
+
+
+def _nodes_words(nodes: Sequence[str]) -> str:
+    shown = ", ".join(nodes[:3])
+    more = f" and {len(nodes) - 3} more" if len(nodes) > 3 else ""
+    return f"node{'s' if len(nodes) > 1 else ''} {shown}{more}"
+
+
+def against_engine_flags(profiles: Iterable[ProfileSpec], report: Mapping[str, Any]) -> list[str]:
+    """Flags in the profiles' engine_args that a ready node's engine does not accept.
+
+    ``report`` is GET /v1/engine-flags: ``{"nodes": [{"node_id", "state", "engines":
+    [{"kind", "version", "error", "flags_listed", "value_flags", "switch_flags"}]}]}``.
+    Engines that listed no flags (an older agent) are not judged. One line per flag and
+    engine version, naming the nodes that run that version.
+    """
+    # (kind, version) -> (value flags, switch flags, node ids)
+    seen: dict[tuple[str, str], tuple[frozenset[str], frozenset[str], list[str]]] = {}
+    for node in report.get("nodes", []):
+        if node.get("state") != "READY":
+            continue
+        for e in node.get("engines", []):
+            if e.get("error") or not e.get("flags_listed"):
+                continue
+            key = (str(e.get("kind", "")).lower(), str(e.get("version", "")))
+            if key not in seen:
+                seen[key] = (
+                    frozenset(e.get("value_flags", [])),
+                    frozenset(e.get("switch_flags", [])),
+                    [],
+                )
+            seen[key][2].append(str(node.get("node_id", "")))
+    out = []
+    for p in profiles:
+        for (kind, version), (value, switch, nodes) in sorted(seen.items()):
+            if not kind.endswith(p.engine):
+                continue
+            for flag in unknown_flags(p.engine, p.engine_args, value, switch):
+                out.append(
+                    f"models[{p.model}].profiles.{p.name}.engine_args: {flag!r} is not a flag "
+                    f"{p.engine} {version or '(version unknown)'} accepts "
+                    f"({_nodes_words(nodes)})"
+                )
     return out

@@ -38,6 +38,8 @@ from llmgw_control.config import (
     tls_problem,
 )
 from llmgw_control.controller import Controller, keep_heap, watch_loop_lag
+from llmgw_control.engine_report import PATH as ENGINE_FLAGS_PATH
+from llmgw_control.engine_report import EngineFlagsApi
 from llmgw_control.history import run_sampler
 from llmgw_control.leading import Leading
 from llmgw_control.store import StoreError
@@ -150,6 +152,8 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
     await server.start_gated(host, port)
     admin = AdminServer(controller, controller.metrics.registry, insecure=ssl is None)
     keys_admin.serve_on(admin, tenants)
+    # The flags each node's engines accept, for `check --admin`.
+    admin.handlers.append(EngineFlagsApi(lambda: controller.inventory.nodes))
     admin_host, admin_port = split_hostport(config.admin_listen)
     try:
         # The operator's verbs and engine logs, behind the admin credential (issue 29).
@@ -430,6 +434,10 @@ def check_command(config_path: Path, admin: str | None) -> None:
         if code != 200:
             fail(visible(f"admin API answered {code}: {data.get('error', data)}"), code=1)
         found += config_check.against_fleet(loaded.catalog.profiles, data)
+        code, data = _get(admin, ENGINE_FLAGS_PATH)
+        if code != 200:
+            fail(visible(f"admin API answered {code}: {data.get('error', data)}"), code=1)
+        found += config_check.against_engine_flags(loaded.catalog.profiles, data)
     for line in found:
         click.echo(visible(f"{config_path}: {line}"))
     if found:

@@ -65,6 +65,11 @@ class EngineVersion:
     version: str
     executable: str = ""
     error: str = ""
+    # The flags its help lists (EngineInfo.value_flags / switch_flags), for `check`;
+    # ``flags_listed`` False: the agent sent none (an older agent, or past the bounds).
+    value_flags: frozenset[str] = frozenset()
+    switch_flags: frozenset[str] = frozenset()
+    flags_listed: bool = False
 
 
 def node_state(
@@ -195,7 +200,15 @@ class Inventory:
             last_seen=now,
             registered_at=_now_utc(),
             engines=tuple(
-                EngineVersion(v1.EngineKind(e.kind).name.lower(), e.version, e.executable, e.error)
+                EngineVersion(
+                    v1.EngineKind(e.kind).name.lower(),
+                    e.version,
+                    e.executable,
+                    e.error,
+                    frozenset(e.value_flags),
+                    frozenset(e.switch_flags),
+                    e.flags_listed,
+                )
                 for e in msg.engines
             ),
         )
