@@ -92,7 +92,7 @@ def test_four_routers_that_never_talk_agree_on_every_home_within_the_caches() ->
     plain = CacheAware[Cand]()
     spread = Counter(plain.ranking(cands[0], tenant(t, size))[0].id for t in range(tenants))
     assert max(spread.values()) > 3  # what hashing alone would do
-    routers = [CacheAware[Cand]() for _ in range(4)]
+    routers = [CacheAware[Cand](shared_homes=True) for _ in range(4)]
     orders = [random.Random(r).sample(range(tenants), tenants) for r in range(4)]
     for rounds in range(3):
         for r, balancer in enumerate(routers):

@@ -1,5 +1,6 @@
 """Two router processes that never talk give every tenant the same engine when the
-engines' caches are tight (issue 26.1): cache_aware's shared placement rule, with real
+engines' caches are tight (issue 26.1): cache_aware's shared placement rule
+(``cache_aware.shared_homes``), with real
 routers, real simulated engines and real sockets.
 
 Each engine's cache (``cache_tokens`` on its static endpoint) holds three of the twelve
@@ -63,7 +64,7 @@ def test_two_routers_agree_on_every_tenants_engine_in_tight_caches(
     config = {
         "endpoints": [e.entry(["m1"], cache_tokens=CACHE_BLOCKS * 16) for e in engines],
         "health_checks": {"enabled": False},
-        "cache_aware": {"block_bytes": BLOCK_BYTES},
+        "cache_aware": {"block_bytes": BLOCK_BYTES, "shared_homes": True},
     }
     a, b = spawn_router(config), spawn_router(config)
     for turn in (1, 2):

@@ -7,6 +7,7 @@ import math
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_router.balancing import (
@@ -34,15 +35,17 @@ def tenant(t: int, blocks: int, tail: int = 0) -> tuple[int, ...]:
 # prefixes whatever the order) are in test_placement.py.
 
 
-def test_tenants_fill_engines_to_their_caches_not_by_hashing() -> None:
+@pytest.mark.parametrize("shared_homes", [False, True])
+def test_tenants_fill_engines_to_their_caches_not_by_hashing(shared_homes: bool) -> None:
     """Eight tenants over four engines that each hold two: two each, where rendezvous
-    hashing alone puts them unevenly; each stays at its home after."""
+    hashing alone puts them unevenly; each stays at its home after. (With shared_homes:
+    the rule's homes; without, first come first placed: either way two each.)"""
     size = 50
     cands = [Cand(f"e{i}", cache_blocks=2 * (size + 2) * 8 // 7 + 2) for i in range(4)]
     plain = CacheAware[Cand](window=10_000)
     spread = Counter(plain.ranking(cands, tenant(t, size))[0].id for t in range(8))
     assert max(spread.values()) > 2  # what hashing alone would do
-    balancer = CacheAware[Cand](window=10_000)
+    balancer = CacheAware[Cand](window=10_000, shared_homes=shared_homes)
     for k in (1, 2):
         for t in range(8):
             pick = balancer.choose(cands, usable, None, tenant(t, size, tail=k), at=0.0)

@@ -141,6 +141,11 @@ class CacheAwareConfig(BaseConfig):
     window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
     # Prefix blocks remembered per endpoint of what this router sent (LRU).
     index_blocks: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 16384
+    # Where the engines' cache sizes are known: a new prefix's home by a rule every router
+    # computes alike (balancing/placement.py), for several routers in front of one fleet;
+    # false: the first rendezvous choice with room in this router's own record (better
+    # for a router alone: it knows every prefix it sent).
+    shared_homes: bool = False
     # Prompt bytes per engine token, to count an engine's cache (reported or configured
     # in tokens) in prefix blocks of block_bytes; 4 for English text with common
     # tokenizers. (With a tokenizer, blocks are block_bytes / 4 tokens: leave it at 4.)

@@ -56,7 +56,11 @@ class CacheAware(Balancer[L]):
     - Capacity: where an engine's cache size is known (``cache_blocks``, in prefix
       blocks), what this router remembers sending there is an LRU of that size (what it
       drops, the engine has most likely evicted: a prefix that no longer fits is no
-      longer counted as held), and a prefix's home is given by a shared rule
+      longer counted as held), and a new prefix's home is the first of its rendezvous
+      choices whose live prefixes (blocks sent within the last ``window`` picks) still
+      leave room for it; where none has room, its first rendezvous choice.
+    - Shared homes (``shared_homes``, for several routers in front of one fleet): where
+      the cache sizes are known, a prefix's home is given by a shared rule
       (placement.place) instead of its first rendezvous choice: a stable matching of the
       prefixes of this router's last ``window`` picks (each by its rendezvous block and
       its size, what its last two prompts share) to the endpoints, within each cache
@@ -94,8 +98,10 @@ class CacheAware(Balancer[L]):
         window: int = 256,
         block_time: float = 0.0064,
         rng: random.Random | None = None,
+        shared_homes: bool = False,
     ) -> None:
         self.epsilon = epsilon
+        self.shared_homes = shared_homes
         # The prior for a candidate that has no learned rate: seconds per prefix block.
         self.block_time = block_time
         self._tick = 0
@@ -362,7 +368,11 @@ class CacheAware(Balancer[L]):
         self._turn += 1
         order = self._rendezvous(ready, block)
         first_choice = order[0]
-        home_at = None if self._mostly_distinct() else self._home(ready, block, prefix)
+        home_at = (
+            self._home(ready, block, prefix)
+            if self.shared_homes and not self._mostly_distinct()
+            else None
+        )
         if home_at is not None and home_at != first_choice:
             order.remove(home_at)
             order.insert(0, home_at)

@@ -27,6 +27,7 @@ def make_balancer(
             window=cache_aware.window,
             affinity_blocks=cache_aware.affinity_blocks,
             index_blocks=cache_aware.index_blocks,
+            shared_homes=cache_aware.shared_homes,
         )
     if name == "least_outstanding":
         return LeastOutstanding(rng)
