@@ -16,7 +16,8 @@ streaming chat completions (16 output tokens) for ``--seconds``:
 - (b) ``unique``: every prompt its own ~2,000 tokens (nothing to share), same rate;
 - (c) ``hot``: one system prompt for every request, same rate;
 - (d) ``tenants x4``: (a) through 4 llmgw routers at once, requests spread round robin
-  over them (cache_aware only: it is the one meant to agree across routers);
+  over them (cache_aware only: it is the one meant to agree across routers; with
+  ``cache_aware.shared_homes``, what several routers in front of one fleet set);
 - (e) ``tenants mixed``: (a), each request written by one of two JSON clients;
 - (f) ``zipf``: (a) with Zipf-skewed tenant popularity (exponent ``--zipf``, default 1.0:
   tenant k's share is proportional to 1/k);

@@ -253,6 +253,9 @@ def router_up(
                                             if target == PRECISE
                                             else {}
                                         ),
+                                        # Several routers in front of one fleet: the
+                                        # homes every router computes alike.
+                                        **({"shared_homes": True} if copies > 1 else {}),
                                     }
                                 }
                                 if target in ("cache_aware", PRECISE)
