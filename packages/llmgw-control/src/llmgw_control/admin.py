@@ -4,6 +4,16 @@ A few GET routes on loopback do not justify a web framework in the control
 plane's wheel: this is a small HTTP/1.1 responder on ``asyncio.start_server``,
 one request per connection. The JSON it serves is built in
 :mod:`llmgw_control.status`.
+
+What a client may send is bounded (fixed; the README's "admin API bounds"): the head
+(request line and headers) to ``MAX_HEAD`` bytes (past it 414 while still in the
+request line, else 431) and ``MAX_HEADERS`` header lines (431); the head must arrive
+within ``HEAD_TIMEOUT`` seconds of the accept and a body within ``BODY_TIMEOUT`` of
+its head (408); a body over ``MAX_BODY`` gets 413; beyond ``MAX_CONNECTIONS``
+connections at once (engine-log streams included) a connection is answered 503 with
+Retry-After. After an error answer the connection is closed as nginx does: our side
+is shut for writing and what the client still sends is dropped (up to
+``LINGER_BYTES`` or ``LINGER_SECONDS``), so that it reads the answer, not a reset.
 """
 
 from __future__ import annotations
@@ -43,13 +53,25 @@ _REASONS = {
     403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
+    408: "Request Timeout",
     409: "Conflict",
     413: "Content Too Large",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
     503: "Service Unavailable",
 }
 _JSON = "application/json"
 # The largest request body an extra handler is given (keys and operator verbs are small).
 MAX_BODY = 64 * 1024
+# What one connection may send before it is judged, and how many may be open at once.
+MAX_HEAD = 16 * 1024
+MAX_HEADERS = 64
+HEAD_TIMEOUT = 10.0
+BODY_TIMEOUT = 10.0
+MAX_CONNECTIONS = 128
+# After an error answer: what the client still sends is dropped up to this, then closed.
+LINGER_BYTES = 256 * 1024
+LINGER_SECONDS = 2.0
 
 # Status, content type, body.
 Answer = tuple[int, str, bytes]
@@ -83,9 +105,11 @@ class AdminServer:
         # Every request but GET and HEAD needs these (llmgw_control.auth); None: no check.
         self.credentials: Credentials | None = None
         self._server: asyncio.Server | None = None
+        # Connections being served now (bounded by MAX_CONNECTIONS).
+        self._open = 0
 
     async def start(self, host: str, port: int, *, tls: ssl.SSLContext | None = None) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port, ssl=tls)
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=tls, limit=MAX_HEAD)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -122,38 +146,67 @@ class AdminServer:
         return _error(404, f"no such path {path!r}: try /, /v1/status, /v1/explain/MODEL, /metrics")
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
-            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-            parts = request_line.split(" ")
-            if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-                status, ctype, body = _error(400, "malformed request line")
+            if self._open > MAX_CONNECTIONS:
+                status, ctype, body = _error(
+                    503,
+                    f"the admin API holds its limit of {MAX_CONNECTIONS} connections at once;"
+                    " retry shortly",
+                )
                 method = "GET"
             else:
-                method = parts[0]
-                if method == "GET" and await self._stream(parts[1], reader, writer):
-                    return
-                denied = self._denied(method, parts[1], head, writer)
-                if denied is not None:
-                    status, ctype, body = denied
-                else:
-                    status, ctype, body = await self._answer(method, parts[1], reader, head)
+                status, ctype, body, method = await self._serve(reader, writer)
+                if status == 0:
+                    return  # a stream answered, or the client went away
             headers = (
                 f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
                 f"Content-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n"
+                + ("Retry-After: 1\r\n" if status == 503 else "")
+                + "Connection: close\r\n\r\n"
             )
             writer.write(headers.encode("latin-1") + (b"" if method == "HEAD" else body))
             await writer.drain()
+            if status >= 400:
+                await _linger(reader, writer)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
             pass
         except Exception:
             log.exception("admin request failed")
         finally:
+            self._open -= 1
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[int, str, bytes, str]:
+        """Status (0: answered already or nobody to answer), content type, body, method."""
+        head_or_error = await _read_head(reader)
+        if head_or_error is None:
+            return 0, "", b"", "GET"
+        if isinstance(head_or_error, tuple):
+            return (*head_or_error, "GET")
+        head = head_or_error
+        request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = request_line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            return (*_error(400, "malformed request line"), "GET")
+        lines = head.count(b"\r\n") - 2  # the request line's and the blank line's ends
+        if lines > MAX_HEADERS:
+            return (
+                *_error(431, f"{lines} header lines: the admin API takes at most {MAX_HEADERS}"),
+                "GET",
+            )
+        method, target = parts[0], parts[1]
+        if method == "GET" and await self._stream(target, reader, writer):
+            return 0, "", b"", method
+        denied = self._denied(method, target, head, writer)
+        if denied is not None:
+            return (*denied, method)
+        return (*await self._answer(method, target, reader, head), method)
 
     async def _stream(
         self, target: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -195,12 +248,60 @@ class AdminServer:
                 return _error(400, "malformed Content-Length header")
             if length > MAX_BODY:
                 return _error(413, f"request body over {MAX_BODY} bytes")
-            body = await asyncio.wait_for(reader.readexactly(length), 10.0) if length else b""
+            try:
+                body = (
+                    await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT)
+                    if length
+                    else b""
+                )
+            except TimeoutError:
+                return _error(
+                    408, f"the request body did not arrive within {BODY_TIMEOUT:g} s of its head"
+                )
             for handler in self.handlers:
                 found = await handler(method, target, body)
                 if found is not None:
                     return found
         return self.route(method, target)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes | Answer | None:
+    """The request head, an error answer for one too large or too slow, or None when the
+    client closed before a whole head (nobody to answer)."""
+    try:
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+    except asyncio.IncompleteReadError as err:
+        if not err.partial:
+            return None
+        return _error(400, "the connection ended inside the request head")
+    except TimeoutError:
+        return _error(
+            408, f"the request head did not arrive within {HEAD_TIMEOUT:g} s of the connection"
+        )
+    except asyncio.LimitOverrunError:
+        seen = await reader.read(MAX_HEAD)
+        if b"\n" not in seen:
+            return _error(414, f"the request line (URL) is over the limit of {MAX_HEAD} bytes")
+        return _error(431, f"the request head is over the limit of {MAX_HEAD} bytes")
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After an error answer: shut our side and drop what the client still sends, so it
+    reads the answer instead of a reset (bounded: LINGER_BYTES, LINGER_SECONDS)."""
+    if writer.can_write_eof():
+        writer.write_eof()
+    left = LINGER_BYTES
+
+    async def drop() -> None:
+        nonlocal left
+        while left > 0:
+            data = await reader.read(min(left, 65536))
+            if not data:
+                return
+            left -= len(data)
+
+    with contextlib.suppress(TimeoutError, OSError):
+        await asyncio.wait_for(drop(), LINGER_SECONDS)
 
 
 def _content_length(head: bytes) -> int | None:
