@@ -346,6 +346,7 @@ def test_a_port_in_use_is_one_clear_error(
         text=True,
         timeout=60,
     )
-    assert r.returncode == 1
+    # 2: a setting that cannot be used, as in every program and worker mode
+    assert r.returncode == 2
     assert "cannot bind the listen address" in r.stderr
     assert "Traceback" not in r.stderr
