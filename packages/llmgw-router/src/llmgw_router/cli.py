@@ -126,6 +126,9 @@ def serve(
             weight=e.weight,
             health_path=e.health_path,
             cache_tokens=e.cache_tokens,
+            role=e.role,
+            engine=e.engine,
+            kv_port=e.kv_port,
         )
         for e in cfg.endpoints
     )

@@ -208,6 +208,11 @@ class EndpointConfig(BaseConfig):
     # cache_aware's capacity-aware placement; 0: not known (engines behind a control
     # plane report it themselves).
     cache_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    # A disaggregated model's pool (issue 32): prefill or decode (proxy/disagg.py), the
+    # engine family (whose protocol the two phases speak) and its KV/bootstrap port.
+    role: Literal["", "prefill", "decode"] = ""
+    engine: Literal["", "vllm", "sglang", "llamacpp"] = ""
+    kv_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 class ControlConfig(BaseConfig):

@@ -82,6 +82,12 @@ class EndpointSpec:
     # The HTTP paths the engine serves (from the control plane: the agent read them);
     # empty: not known, and the endpoint is sent any route.
     routes: frozenset[str] = frozenset()
+    # A disaggregated model's pool (issue 32, proxy/disagg.py): "prefill" or "decode"
+    # ("" aggregated), the engine family ("vllm", "sglang"; "" not told) and the engine's
+    # KV port (SGLang's bootstrap port; 0: none).
+    role: str = ""
+    engine: str = ""
+    kv_port: int = 0
 
 
 @dataclass(eq=False, slots=True)

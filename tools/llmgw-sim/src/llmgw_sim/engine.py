@@ -139,6 +139,9 @@ class Engine:
         # Requests per adapter, for vllm:lora_requests_info.
         self.lora_running: dict[str, int] = {}
         self.lora_waiting: dict[str, int] = {}
+        # Disaggregated prefill (llmgw_sim.kvtransfer): transfers issued as a prefill
+        # engine, received as a decode engine, and refused (not issued by a prefill engine).
+        self.kv_counts: dict[str, int] = {"kv_issued": 0, "kv_received": 0, "kv_refused": 0}
         self._auth = {f"Bearer {k}" for k in config.api_keys}
         self.vocab = Vocabulary()
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from llmgw_sim import kvtransfer
 from llmgw_sim.driver import Waiter
 from llmgw_sim.handlers import Handlers
 from llmgw_sim.httpserver import Request, Response, Stream
+from llmgw_sim.kvtransfer import wants_remote_decode, wants_remote_prefill
 from llmgw_sim.model import echo_tokens, greedy_tokens, output_length, tokenize
 from llmgw_sim.protocol import Generation, parse_chat, parse_completion
 from llmgw_sim.scheduler import Seq, block_hashes
@@ -58,9 +61,16 @@ class GenerationRoutes(Handlers):
     ) -> Response | Stream:
         eng = self.engine
         arrival = time.monotonic()
-        gen = self._admit(request, parse)
+        kv_seen: list[Any] = []
+
+        def parse_kv(body: dict[str, Any]) -> Generation:
+            kv_seen.append(body.get("kv_transfer_params"))
+            return parse(body)
+
+        gen = self._admit(request, parse_kv)
         if isinstance(gen, Response):
             return gen
+        kv = kv_seen[0] if kv_seen else None
         cap = eng.token_cap
         prompt: list[Any] = (
             gen.prompt_ids if gen.prompt_ids is not None else tokenize(gen.prompt_text, cap)
@@ -69,6 +79,14 @@ class GenerationRoutes(Handlers):
         bad = eng.context_error(gen, prompt_len, at_least=prompt_len >= cap)
         if bad is not None:
             return bad
+        transfer: float | None = None
+        if isinstance(kv, dict) and wants_remote_prefill(kv):
+            why = kvtransfer.verify(kv, prompt_len)
+            if why is not None:
+                eng.kv_counts["kv_refused"] += 1
+                return eng.error(400, why)
+            eng.kv_counts["kv_received"] += 1
+            transfer = eng.knobs.kv_transfer_per_token * prompt_len
         stall_after = eng.knobs.stall_after_tokens
         stall_raw = request.headers.get(_STALL_KEY)
         if stall_raw is not None:
@@ -113,7 +131,8 @@ class GenerationRoutes(Handlers):
         stats = eng.stats
         try:
             cached, hashes = eng.cache.lookup(prompt)
-            delay = eng.prefill_delay(prompt_len, cached)
+            # A decode engine fetches the prompt's KV cache instead of computing it.
+            delay = eng.prefill_delay(prompt_len, cached) if transfer is None else transfer
             if delay > 0:
                 await asyncio.sleep(delay)
             eng.cache.insert(hashes)
@@ -131,6 +150,8 @@ class GenerationRoutes(Handlers):
                 if decode > 0:
                     await asyncio.sleep(decode)
                 resp = self._full(gen, out_tokens, finish, prompt_len, headers)
+                if wants_remote_decode(kv):
+                    resp = self._issue_transfer(resp, prompt_len)
             stats.decode_steps += count
             self._observe(gen, arrival, started, first_token_at, prompt_len, count)
             eng.finished(finish)
@@ -145,6 +166,21 @@ class GenerationRoutes(Handlers):
                 _bump(eng.lora_running, lora, -1)
         self._crash_if_due(request, resp)
         return resp
+
+    def _issue_transfer(self, resp: Response, prompt_len: int) -> Response:
+        """A prefill for a remote decode: the answer carries the params a decode engine
+        needs, at the NIXL side channel the agent gave (VLLM_NIXL_SIDE_CHANNEL_*)."""
+        eng = self.engine
+        body = msgspec.json.decode(resp.body)
+        body["kv_transfer_params"] = kvtransfer.issue(
+            eng.knobs.name or f"sim-{os.getpid()}",
+            str(body.get("id", "")),
+            prompt_len,
+            os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+            int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600") or 5600),
+        )
+        eng.kv_counts["kv_issued"] += 1
+        return Response(resp.status, _enc(body), _JSON, resp.headers)
 
     def _crash_if_due(self, request: Request, resp: Response | Stream) -> None:
         eng = self.engine

@@ -61,6 +61,7 @@ class Knobs:
     name: str | None = None
     script_routes: bool = False
     lora_load_time: float = 0.0
+    kv_transfer_per_token: float = 0.0
 
 
 # Knobs that are switches take no value on the command line.
@@ -111,6 +112,8 @@ _HELP: dict[str, str] = {
     "log_requests": "log one line per finished request",
     "name": "this engine's name, sent in an X-Sim-Name header on every answer",
     "lora_load_time": "seconds a runtime LoRA adapter load takes (load_lora_adapter)",
+    "kv_transfer_per_token": "seconds per prompt token a decode engine spends fetching the KV "
+    "cache a prefill engine issued (kv_transfer_params; llmgw_sim.kvtransfer)",
     "script_routes": "serve /sim/script (scripted failures, health) and /sim/stats (request "
     "counts) for tests",
 }

@@ -152,6 +152,10 @@ def _add_script_routes(
     async def stats(request: Request) -> Response:
         return Response(body=msgspec.json.encode(script.counts), content_type=json)
 
+    async def kv_stats(request: Request) -> Response:
+        # Disaggregated prefill (llmgw_sim.kvtransfer): transfers issued, received, refused.
+        return Response(body=msgspec.json.encode(engine.kv_counts), content_type=json)
+
     for path in [p for p in post if p in _INFERENCE]:
         post[path] = counted(post[path])
     for path in [p for p in get if p in ("/health", "/health_generate", "/v1/health")]:
@@ -159,3 +163,4 @@ def _add_script_routes(
     if not health_only:
         post["/sim/script"] = set_script
         get["/sim/stats"] = stats
+        get["/sim/kv"] = kv_stats

@@ -43,6 +43,7 @@ from llmgw_proto.v1 import (
     DemandRequest,
     EndpointCache,
     EndpointSnapshot,
+    EngineKind,
     LoadUpdate,
     WatchRequest,
 )
@@ -104,7 +105,17 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         generation=ep.generation,
         api_key=ep.api_key if _HEADER_VALUE.fullmatch(ep.api_key) else "",
         routes=frozenset(ep.routes),
+        role=ep.role if ep.role in ("prefill", "decode") else "",
+        engine=_ENGINE_NAMES.get(ep.engine, ""),
+        kv_port=ep.kv_port,
     )
+
+
+_ENGINE_NAMES = {
+    EngineKind.VLLM: "vllm",
+    EngineKind.SGLANG: "sglang",
+    EngineKind.LLAMACPP: "llamacpp",
+}
 
 
 @functools.lru_cache(maxsize=16384)

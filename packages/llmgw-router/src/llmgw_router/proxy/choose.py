@@ -133,6 +133,11 @@ class Chooser:
             tiers = [list(ctx.candidates)]
         else:
             current = state.endpoints.for_model(ctx.model) or ()
+            if ctx.candidates:
+                # A retry stays in the role of the first pick (issue 32: a decode attempt
+                # never goes to a prefill engine, nor an aggregated one to either).
+                role = ctx.candidates[0].spec.role
+                current = tuple(ep for ep in current if ep.spec.role == role)
             tiers = retry_tiers(ctx.candidates, current, [t.id for t in ctx.tried], ctx.refused)
         for tier in tiers:
             if not tier:

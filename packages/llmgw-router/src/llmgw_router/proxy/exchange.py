@@ -24,6 +24,7 @@ from llmgw_router.errors import error_body, sse_error_event
 from llmgw_router.proxy import traced
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
+from llmgw_router.proxy.disagg import phases_for
 from llmgw_router.proxy.relay import Relay, response_headers
 from llmgw_router.proxy.resumable import ResumableRelay, StreamBroken
 from llmgw_router.proxy.resume import Decision, Splice, continuation, decide, refusal
@@ -74,6 +75,8 @@ class Exchange:
         splice = Splice() if self._max_resumes and refusal(ctx.path, ctx.body) is None else None
         original = ctx.body
         broke = ""
+        # A disaggregated model (issue 32): a prefill before each decode attempt.
+        phases = phases_for(state, self.pool, ctx)
         while True:
             ep = self.chooser.pick(ctx)
             if ep is None:
@@ -87,6 +90,8 @@ class Exchange:
                 raise self.chooser.unavailable(ctx.model, ctx.candidates)
             ctx.tried.append(ep)
             try:
+                if phases is not None:
+                    await phases.before(ctx, ep)
                 if self._traced:
                     await self._attempt_traced(ctx, send, ep, splice)
                 else:
@@ -114,7 +119,8 @@ class Exchange:
                 last_failure = failure
                 if failure.reason == "connect":
                     ctx.refused.add(ep.id)
-                state.record_failure(ep, failure.reason)
+                if failure.reason != "prefill":  # the prefill engines' failure, counted there
+                    state.record_failure(ep, failure.reason)
                 log.info(
                     "upstream attempt failed",
                     endpoint=ep.id,
