@@ -537,6 +537,13 @@ class Endpoint(betterproto2.Message):
 
     kv_port: "int" = betterproto2.field(85, betterproto2.TYPE_UINT32)
 
+    leaving: "bool" = betterproto2.field(105, betterproto2.TYPE_BOOL)
+    """
+    The control plane is about to take this replica away (scale-down, rolling update,
+    node drain, restart; issue 28): routers send it no new requests and warm the
+    replicas that inherit its hot prefixes before the drain starts.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Endpoint", Endpoint)
 
