@@ -348,5 +348,5 @@ def test_a_port_in_use_is_one_clear_error(
     )
     # 2: a setting that cannot be used, as in every program and worker mode
     assert r.returncode == 2
-    assert "cannot bind the listen address" in r.stderr
+    assert "--listen" in r.stderr and "already in use" in r.stderr
     assert "Traceback" not in r.stderr
