@@ -354,10 +354,12 @@ def test_no_prefix_goes_to_the_least_loaded() -> None:
 
 
 def test_make_balancer_takes_the_config() -> None:
-    config = CacheAwareConfig(epsilon=0.5, slack=1.5, window=64)
+    config = CacheAwareConfig(epsilon=0.5, slack=1.5, window=64, shared_homes=True)
     balancer = make_balancer("cache_aware", cache_aware=config)
     assert isinstance(balancer, CacheAware)
     assert (balancer.epsilon, balancer.slack, balancer.window) == (0.5, 1.5, 64)
+    assert balancer.shared_homes
+    assert not CacheAware[Cand]().shared_homes
 
 
 @given(st.binary(max_size=3000), st.binary(max_size=3000), st.sampled_from([16, 64, 128]))
