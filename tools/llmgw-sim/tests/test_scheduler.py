@@ -177,3 +177,22 @@ def test_properties_hold_at_every_step(
     # With everything finished no block is referenced; cached ones stay within the cache.
     assert s.cache.referenced == 0
     assert s.cache.cached_blocks <= blocks
+
+
+def test_a_transferred_prompt_costs_one_prefill_token_and_holds_its_blocks() -> None:
+    """Issue 32: a decode of a prefill engine's KV cache computes only the last prompt
+    token (the prefill was charged to the prefill engine), yet holds the whole prompt's
+    blocks; a local prefill of the same prompt costs every token."""
+    s = Scheduler(SchedulerConfig(4, 16, 64, BS))
+    tokens = _tokens(0, 40)  # 48 tokens
+    s.add(Seq(1, len(tokens), 2, block_hashes(tokens, BS), remote_kv=True))
+    plans = []
+    while not s.idle:
+        plan = s.schedule()
+        plans.append((plan.prefill_tokens, plan.decodes))
+        if len(plans) == 1:
+            (item,) = plan.items
+            assert len(item.seq.blocks) * BS >= len(tokens)
+        s.finish_step(plan)
+    assert plans == [(1, 0), (0, 1)]
+    assert s.prefix_hits == 0  # a transfer is not a prefix-cache hit

@@ -112,9 +112,12 @@ class GenerationRoutes(Handlers):
             out_tokens = greedy_tokens(context, count, knobs.seed ^ (gen.seed or 0))
 
         if eng.driver is not None:
-            return await self._generate_stepped(
-                request, gen, prompt, out_tokens, finish, stall_after, arrival
+            stepped = await self._generate_stepped(
+                request, gen, prompt, out_tokens, finish, stall_after, arrival, transfer
             )
+            if wants_remote_decode(kv) and isinstance(stepped, Response) and stepped.status == 200:
+                stepped = self._issue_transfer(stepped, prompt_len)
+            return stepped
         lora = gen.model if gen.model in eng.loras else None
         if lora is not None:
             _bump(eng.lora_waiting, lora, 1)
@@ -241,8 +244,13 @@ class GenerationRoutes(Handlers):
         finish: str,
         stall_after: int | None,
         arrival: float,
+        transfer: float | None = None,
     ) -> Response | Stream:
-        """The step scheduler's path: queue in the engine, wait for its steps."""
+        """The step scheduler's path: queue in the engine, wait for its steps.
+
+        ``transfer``: a decode of a prefill engine's KV cache, fetched for that many seconds
+        first; the scheduler then computes only the prompt's last token (Seq.remote_kv).
+        """
         eng = self.engine
         driver = eng.driver
         assert driver is not None
@@ -263,6 +271,8 @@ class GenerationRoutes(Handlers):
             else []
         )
         ids = gen.prompt_ids if eng.tokenizer is not None else None
+        if transfer:
+            await asyncio.sleep(transfer)
         waiter = driver.submit(
             Seq(
                 rid,
@@ -271,6 +281,7 @@ class GenerationRoutes(Handlers):
                 hashes,
                 token_ids=ids,
                 lora=gen.model if gen.model in eng.loras else None,
+                remote_kv=transfer is not None,
             ),
             stream=gen.stream,
         )

@@ -212,6 +212,10 @@ class Seq:
     token_ids: Sequence[int] | None = None
     # The LoRA adapter it runs with (None: the base model).
     lora: str | None = None
+    # Its prompt's KV cache came from a prefill engine (llmgw_sim.kvtransfer): on its first
+    # admission only the last prompt token is computed here (prefill work is charged to
+    # the prefill engine alone); the blocks are still this engine's to hold.
+    remote_kv: bool = False
 
     def __post_init__(self) -> None:
         self.target = self.prompt_len
@@ -392,6 +396,9 @@ class Scheduler:
             if not self.fits(seq.target, 1):
                 break  # never fits; the server refuses such requests before they get here
             self._admit_prefix(seq)
+            hit = seq.computed
+            if seq.remote_kv and seq.preemptions == 0:
+                seq.computed = max(seq.computed, seq.target - 1)
             want = min(seq.target - seq.computed, budget)
             if not self._grow(seq, seq.computed + want):
                 # No room now: hand back the prefix blocks and wait for a later step.
@@ -401,9 +408,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if seq.preemptions == 0:
-                seq.cached_tokens = seq.computed
+                seq.cached_tokens = hit
                 self.prefix_queries += seq.prompt_len
-                self.prefix_hits += seq.computed
+                self.prefix_hits += hit
             seq.admitted = True
             self.running.append(seq)
             if seq.lora is not None:
