@@ -27,7 +27,7 @@ HELP_FILES = {
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang", "llama-server"])
-def test_accepts_exactly_the_options_of_the_captured_help(kind: EngineKind) -> None:
+def test_accepts_exactly_the_options_of_the_captured_help(kind: EngineKind, tmp_path: Path) -> None:
     agent_kind, name, version = HELP_FILES[kind]
     text = (resources.files("llmgw_agent") / "engine_help" / name).read_text(encoding="utf-8")
     from_help = parse_help(agent_kind, text).spellings()
@@ -38,6 +38,10 @@ def test_accepts_exactly_the_options_of_the_captured_help(kind: EngineKind) -> N
         option = flags.option(flag)
         assert option is not None
         value = option.choices[0] if option.choices else "1"
+        if kind == "sglang" and flag == "--config":
+            # SGLang reads the options file it names (a YAML mapping).
+            value = str(tmp_path / "options.yaml")
+            (tmp_path / "options.yaml").write_text("{}\n")
         args = [flag, *[value] * max(option.min_values, 1 if option.takes_value else 0)]
         if kind == "sglang" and flag not in ("--model-path", "--model"):
             args += ["--model-path", "m"]

@@ -28,6 +28,7 @@ __all__ = [
     "Launch",
     "LoadMetrics",
     "adapter_for",
+    "api_key_options",
     "build_launch",
     "reachability_problem",
     "with_api_key",
@@ -54,6 +55,9 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     # The secret the engine's HTTP port requires (Authorization: Bearer); a fresh one per
     # launch, given by the agent (see with_api_key). Empty: the engine takes none.
     api_key: str = ""
+    # Where the key is written for an engine that reads it from an options file (SGLang's
+    # --config): the agent writes it (owner only) before the start. Empty: none.
+    api_key_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class Adapter:
     # The environment keeps the secret out of the command line, which every local user
     # can read (ps, /proc/PID/cmdline); /proc/PID/environ is the owner's alone.
     api_key_env: str = ""
+    # Else the flag naming a YAML options file the engine reads at start ("": none): the
+    # key goes in that file, not on the command line (SGLang's --config).
+    api_key_options_flag: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def parallel_sizes(self, start: v1.StartShard, parsed: ParsedArgs) -> tuple[int, int]:
@@ -263,6 +270,9 @@ SGLANG = SglangAdapter(
     needs_gpus=False,  # SGLang runs CPU-only profiles with --device cpu
     multi_node=True,
     max_served_names=1,
+    # SGLang reads no key variable; its --config YAML (server_args_config_parser) holds
+    # options as `name: value`, read before the command line's.
+    api_key_options_flag="--config",
 )
 
 LLAMACPP = LlamaCppAdapter(
@@ -360,16 +370,36 @@ def build_launch(
     )
 
 
-def with_api_key(adapter: Adapter, launch: Launch, api_key: str) -> Launch:
+def with_api_key(adapter: Adapter, launch: Launch, api_key: str, options_file: str = "") -> Launch:
     """``launch`` with the engine told to require ``api_key``: in its environment where
-    the engine reads one there, else as ``--api-key`` (SGLang)."""
+    the engine reads one there, else in an options file at ``options_file`` (SGLang's
+    ``--config``; the caller writes it with :func:`api_key_options`), else, with no file
+    given or a profile that names its own options file, as ``--api-key``."""
     if not api_key or launch.headless:
         return launch  # a headless rank serves no HTTP
     if adapter.api_key_env:
         env = {**launch.env, adapter.api_key_env: api_key}
         return msgspec.structs.replace(launch, env=env, api_key=api_key)
+    flag = adapter.api_key_options_flag
+    if flag and options_file and flag not in launch.argv:
+        argv = [*launch.argv, flag, options_file]
+        return msgspec.structs.replace(
+            launch, argv=argv, api_key=api_key, api_key_file=options_file
+        )
     argv = [*launch.argv, "--api-key", api_key]
     return msgspec.structs.replace(launch, argv=argv, api_key=api_key)
+
+
+def api_key_options(api_key: str) -> bytes:
+    """The options file (YAML) that gives ``api_key``: a double-quoted scalar, anything
+    but printable ASCII escaped (YAML reads no raw control character)."""
+    quoted = "".join(
+        ch
+        if " " <= ch <= "~" and ch not in '"\\'
+        else (f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+        for ch in api_key
+    )
+    return f'api-key: "{quoted}"\n'.encode("ascii")
 
 
 def redacted_argv(launch: Launch) -> list[str]:

@@ -35,6 +35,7 @@ from llmgw_proto import tracing, v1
 from llmgw_agent import serving
 from llmgw_agent.adapters import (
     adapter_for,
+    api_key_options,
     redacted_argv,
     with_api_key,
     with_kv_endpoint,
@@ -72,6 +73,7 @@ from llmgw_agent.records import (
     read_records,
     record_path,
     remove_leftovers,
+    write_private,
 )
 from llmgw_agent.validation import NodeView, Probes, real_probes
 
@@ -425,11 +427,16 @@ class Supervisor:
             decided = dataclasses.replace(decided, launch=launch)
         # A fresh secret per launch: the engine's port refuses whoever lacks it, so only
         # routers (given it through the control plane) and this agent reach the engine.
-        launch = with_api_key(decided.adapter, launch, secrets.token_urlsafe(32))
-        decided = dataclasses.replace(decided, launch=launch)
         path = record_path(self.state_dir, start.shard_id)
         # Records hold the profile's env (tokens) and logs may echo it: owner only.
         private_dir(path.parent)
+        # SGLang reads the key from an options file beside the record, not from argv.
+        options = path.with_name(path.stem + ".options.yaml")
+        key = secrets.token_urlsafe(32)
+        launch = with_api_key(decided.adapter, launch, key, str(options))
+        decided = dataclasses.replace(decided, launch=launch)
+        if launch.api_key_file:
+            write_private(options, api_key_options(key))
         logs_dir = private_dir(self.state_dir / "logs")
         output_path = logs_dir / path.with_suffix(".log").name
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -551,6 +558,8 @@ class Supervisor:
             reason = engine.fail_reason or f"engine exited by itself: {how}"
             self._emit(engine, S.FAILED, reason=reason)
         engine.path.unlink(missing_ok=True)
+        if engine.record.launch.api_key_file:
+            Path(engine.record.launch.api_key_file).unlink(missing_ok=True)
         serving.forget(engine.shard_id)
         if self.engines.get(engine.shard_id) is engine:
             del self.engines[engine.shard_id]

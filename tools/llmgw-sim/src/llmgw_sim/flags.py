@@ -20,8 +20,10 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, NoReturn
 
+import yaml
 from llmgw_agent.engine_flags import FlagSpec, captured_text, captured_versions, parse_help
 
 EngineKind = Literal["vllm", "sglang", "llama-server"]
@@ -291,6 +293,42 @@ def _print_and_exit(kind: EngineKind, args: Sequence[str], version: str | None) 
             sys.exit(0)
 
 
+def _with_options_file(kind: EngineKind, args: list[str]) -> list[str]:
+    """SGLang's ``--config FILE.yaml``: the file's ``name: value`` pairs become
+    ``--name value`` options placed before the command line's (which win), as its
+    server_args_config_parser does; its refusals are SGLang's ValueErrors."""
+    at = [i for i, arg in enumerate(args) if arg == "--config"]
+    if not at:
+        return args
+    if len(at) > 1:
+        _fail(kind, "Multiple config files specified! Only one allowed.")
+    i = at[0]
+    if i == len(args) - 1:
+        _fail(kind, "No config file specified after --config flag!")
+    path = Path(args[i + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        _fail(kind, f"Config file must be YAML format, got: {path.suffix}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        _fail(kind, f"Config file not found: {path}")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        _fail(kind, f"Failed to read config file {path}: {err}")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        _fail(kind, "Config file must contain a dictionary at root level")
+    options: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            options.extend([f"--{key}"] if value else [])
+        elif isinstance(value, list):
+            options.extend([f"--{key}", *(str(v) for v in value)] if value else [])
+        else:
+            options.extend([f"--{key}", str(value)])
+    return options + args[:i] + args[i + 2 :]
+
+
 def parse_engine_args(
     kind: EngineKind, argv: Sequence[str], version: str | None = None
 ) -> argparse.Namespace:
@@ -301,6 +339,8 @@ def parse_engine_args(
     flags = spec(_check_kind(kind), version)
     args = list(argv)
     _print_and_exit(kind, args, version)
+    if kind == "sglang":
+        args = _with_options_file(kind, args)
     ns = argparse.Namespace()
     ns.model_tag = None
     if kind == "vllm" and args and not args[0].startswith("-"):
