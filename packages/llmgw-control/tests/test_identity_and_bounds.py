@@ -122,7 +122,7 @@ async def test_certificates_that_do_not_say_who_they_are_are_refused(
         "CN but no OU": ("gpu-a", [ORG, CN_GPU_A]),
         "two CNs": ("gpu-a", [ORG, OU_NODE, CN_GPU_A, attr(cn, "gpu-b")]),
         "two OUs": ("gpu-a", [ORG, OU_NODE, attr(ou, "router"), CN_GPU_A]),
-        "unknown OU": ("gpu-a", [ORG, attr(ou, "admin"), CN_GPU_A]),
+        "unknown OU": ("gpu-a", [ORG, attr(ou, "superuser"), CN_GPU_A]),
         "blank CN": ("gpu-a", [ORG, OU_NODE, attr(cn, " ")]),
     }
     agents = {}
