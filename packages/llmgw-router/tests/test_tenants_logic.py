@@ -19,7 +19,7 @@ from llmgw_proto.v1 import ApiKey as WireKey
 from llmgw_proto.v1 import KeySet, UsageReply
 from llmgw_router.config import ApiKey, RouterConfig, resolve_api_keys, validate
 from llmgw_router.control.keys import KeysClient
-from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
+from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec, EngineLoad
 from llmgw_router.metrics import Metrics
 from llmgw_router.state import RouterState, now
 from llmgw_router.tenants.config import QueueConfig, TenantsConfig
@@ -534,3 +534,23 @@ async def test_headroom_lets_a_light_key_past_a_flooding_one() -> None:
         task.cancel()
     await asyncio.gather(*held, return_exceptions=True)
     await tenancy.close()
+
+
+def test_full_when_every_engine_reports_requests_waiting() -> None:
+    tenancy = _tenancy(queue=QueueConfig(engine_waiting=2))
+    a, b = (
+        Endpoint(spec=EndpointSpec(id=i, url="http://127.0.0.1:1", models=("m",)))
+        for i in ("a", "b")
+    )
+    gate = tenancy._gate("m", (a, b))
+    at = now()
+    # Unknown figures: not full (the router does not hold on a guess).
+    assert not tenancy.full(gate, at)
+    a.report(EngineLoad(waiting=3, measured_at=at))
+    assert not tenancy.full(gate, at)
+    b.report(EngineLoad(waiting=1, measured_at=at))
+    assert not tenancy.full(gate, at)
+    b.report(EngineLoad(waiting=2, measured_at=at))
+    assert tenancy.full(gate, at)
+    # Figures older than load_reports.max_age count as unknown.
+    assert not tenancy.full(gate, at + 60)
