@@ -348,5 +348,6 @@ def test_a_port_in_use_is_one_clear_error(
     )
     # 2: a setting that cannot be used, as in every program and worker mode
     assert r.returncode == 2
-    assert "--listen" in r.stderr and "already in use" in r.stderr
+    assert "--listen" in r.stderr
+    assert "already in use" in r.stderr
     assert "Traceback" not in r.stderr
