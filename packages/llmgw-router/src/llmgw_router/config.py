@@ -37,6 +37,7 @@ __all__ = [
     "RetryConfig",
     "RouterConfig",
     "TlsConfig",
+    "WarmingConfig",
     "parse_endpoint_flag",
     "validate",
 ]
@@ -159,6 +160,23 @@ class CacheAwareConfig(BaseConfig):
     # tokenized once (tokens.TokenCache), in bytes, for all of a worker's tokenizers
     # together (LRU); 0 keeps none.
     token_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 * 1024 * 1024
+
+
+class WarmingConfig(BaseConfig):
+    """Warming before a drain (proxy/warm.py): an endpoint the control plane marks leaving
+    gets no new request, and its hot prompts are sent to their new homes first."""
+
+    enabled: bool = True
+    # Distinct recent prompts (by rendezvous block) sampled per endpoint.
+    samples_per_endpoint: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    # Prefill-only requests per leaving endpoint at most, and at once.
+    max_requests: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 32
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    # Their prompt tokens together at most this share of what this router sent the
+    # leaving endpoint to prefill lately (its last cache_aware.window requests).
+    max_prefill_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    # One prefill-only request's limit, in seconds.
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=600)] = 30.0
 
 
 class LoadReportsConfig(BaseConfig):
@@ -334,6 +352,7 @@ class RouterConfig(BaseConfig):
     balancer: Balancer = "cache_aware"
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
     cache_aware: CacheAwareConfig = msgspec.field(default_factory=CacheAwareConfig)
+    warming: WarmingConfig = msgspec.field(default_factory=WarmingConfig)
     load_reports: LoadReportsConfig = msgspec.field(default_factory=LoadReportsConfig)
     hold: HoldConfig = msgspec.field(default_factory=HoldConfig)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024

@@ -88,6 +88,9 @@ class EndpointSpec:
     role: str = ""
     engine: str = ""
     kv_port: int = 0
+    # The control plane is about to take it away (issue 28): no new requests while
+    # another endpoint can take them (proxy/warm.py).
+    leaving: bool = False
 
 
 @dataclass(eq=False, slots=True)

@@ -254,6 +254,18 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.warm_requests = Counter(
+            "llmgw_router_warm_requests",
+            "Prefill-only requests sent to warm a leaving endpoint's new homes, by outcome.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.warm_tokens = Counter(
+            "llmgw_router_warm_prompt_tokens",
+            "Prompt tokens (estimated) of the warming requests.",
+            ["model"],
+            registry=r,
+        )
         self.ejections = Counter(
             "llmgw_router_ejections", "Outlier ejections, by endpoint.", ["endpoint"], registry=r
         )

@@ -84,7 +84,9 @@ class FakeControl:
         model: str = "m1",
         models: list[dict[str, Any]] | None = None,
         generations: dict[str, int] | None = None,
+        leaving: set[str] | None = None,
     ) -> None:
+        """``leaving``: the ids of the ``ups`` marked Endpoint.leaving (about to be taken away)."""
         endpoints = [
             {
                 "id": f"{up.id}-replica",
@@ -92,6 +94,7 @@ class FakeControl:
                 "models": [model],
                 "node_id": f"node-{up.id}",
                 "generation": (generations or {}).get(up.id, 0),
+                "leaving": up.id in (leaving or set()),
             }
             for up in ups
         ]
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                     replica_id=ep.get("replica_id", ""),
                     health_path="/health",
                     generation=ep.get("generation", 0),
+                    leaving=ep.get("leaving", False),
                 )
                 for ep in data["endpoints"]
             ],

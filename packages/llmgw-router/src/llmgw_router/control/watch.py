@@ -108,6 +108,7 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         role=ep.role if ep.role in ("prefill", "decode") else "",
         engine=_ENGINE_NAMES.get(ep.engine, ""),
         kv_port=ep.kv_port,
+        leaving=ep.leaving,
     )
 
 

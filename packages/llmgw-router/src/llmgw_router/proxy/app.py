@@ -43,6 +43,7 @@ from llmgw_router.proxy.parse import RequestHeadWithPrompt, parse_head
 from llmgw_router.proxy.prepare import pin, prepare
 from llmgw_router.proxy.route import Router
 from llmgw_router.proxy.routes import error_body
+from llmgw_router.proxy.warm import Warmer
 from llmgw_router.state import RouterState, now
 from llmgw_router.tenants.gate import Tenancy
 from llmgw_router.tenants.reply import WithHeaders
@@ -71,6 +72,9 @@ class ProxyApp:
         self.admission = Admission(state, api_keys, self.tenancy)
         self.router = Router(state)
         self.chooser = Chooser(state)
+        if pool is not None and self.chooser.cache_aware:
+            # A drain that keeps the cache warm (issue 28): proxy/warm.py.
+            self.chooser.warmer = Warmer(state, pool, state.config.warming)
         self._with_prompt = self.chooser.cache_aware
         self._exchange = Exchange(state, pool, self.chooser)
         self.holds = self.router.holds

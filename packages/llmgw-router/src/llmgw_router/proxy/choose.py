@@ -21,6 +21,7 @@ from llmgw_router.errors import ApiError
 from llmgw_router.lora import keyed_prompt
 from llmgw_router.proxy.context import Headers, RequestContext
 from llmgw_router.proxy.parse import RequestHead, RequestHeadWithPrompt
+from llmgw_router.proxy.warm import Warmer
 from llmgw_router.retry import retry_tiers
 from llmgw_router.state import RouterState, now
 from llmgw_router.tokens import PromptBlocks, PromptTokenizer
@@ -41,6 +42,7 @@ class Chooser:
         "_tokenizers",
         "cache_aware",
         "state",
+        "warmer",
     )
 
     def __init__(self, state: RouterState) -> None:
@@ -49,6 +51,8 @@ class Chooser:
         self._affinity = config.balancer == "session_affinity"
         self._affinity_header = config.affinity.header.lower().encode()
         self.cache_aware = config.balancer == "cache_aware"
+        # Set by the proxy (proxy/warm.py): endpoints leaving, and their recent prompts.
+        self.warmer: Warmer | None = None
         self._block_bytes = config.cache_aware.block_bytes
         self._max_blocks = config.cache_aware.max_blocks
         # Precise matching: the tokenizers named by cache_aware.tokenizers (the config
@@ -139,7 +143,10 @@ class Chooser:
                 role = ctx.candidates[0].spec.role
                 current = tuple(ep for ep in current if ep.spec.role == role)
             tiers = retry_tiers(ctx.candidates, current, [t.id for t in ctx.tried], ctx.refused)
+        warmer = self.warmer
         for tier in tiers:
+            if warmer is not None and warmer.leaving:
+                tier = warmer.staying(tier)
             if not tier:
                 continue
             usable = state.usable_among(tier, at)
@@ -148,6 +155,8 @@ class Chooser:
             if ep is not None:
                 # Charged at pick time: a burst between two load reports spreads.
                 ep.sent(at)
+                if warmer is not None:
+                    warmer.note(ep, ctx)
                 reason = choice.reason
                 if getattr(usable, "__name__", "") == "panic":
                     reason = "panic_" + reason
