@@ -15,11 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from llmgw_control.admin import (
     HEAD_TIMEOUT,
     MAX_CONNECTIONS,
     MAX_HEAD,
     MAX_HEADERS,
+    head_problem,
+    overlong_head,
 )
 from llmgw_testkit import wait_for
 
@@ -118,3 +122,22 @@ def _healthz(control: Control) -> int:
         while chunk := sock.recv(65536):
             got += chunk
         return int(got.split(b" ")[1])
+
+
+@given(st.integers(0, 3 * MAX_HEADERS), st.sampled_from(["GET", "POST", "HEAD"]))
+def test_header_lines_over_the_bound_are_431(count: int, method: str) -> None:
+    head = f"{method} /v1/status HTTP/1.1\r\n".encode() + b"x: y\r\n" * count + b"\r\n"
+    problem = head_problem(head)
+    if count > MAX_HEADERS:
+        assert problem is not None
+        assert problem[0] == 431
+        assert f"{count} header lines" in json.loads(problem[2])["error"]
+    else:
+        assert problem is None
+
+
+@given(st.binary(max_size=300))
+def test_any_head_is_judged_without_raising(head: bytes) -> None:
+    problem = head_problem(head + b"\r\n\r\n")
+    assert problem is None or problem[0] in (400, 431)
+    assert overlong_head(head)[0] == (431 if b"\n" in head else 414)

@@ -40,7 +40,9 @@ __all__ = [
     "Handler",
     "StatusSource",
     "Streamer",
+    "head_problem",
     "json_answer",
+    "overlong_head",
 ]
 
 log = structlog.get_logger(__name__)
@@ -190,16 +192,10 @@ class AdminServer:
         if isinstance(head_or_error, tuple):
             return (*head_or_error, "GET")
         head = head_or_error
-        request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-        parts = request_line.split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            return (*_error(400, "malformed request line"), "GET")
-        lines = head.count(b"\r\n") - 2  # the request line's and the blank line's ends
-        if lines > MAX_HEADERS:
-            return (
-                *_error(431, f"{lines} header lines: the admin API takes at most {MAX_HEADERS}"),
-                "GET",
-            )
+        problem = head_problem(head)
+        if problem is not None:
+            return (*problem, "GET")
+        parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
         method, target = parts[0], parts[1]
         if method == "GET" and await self._stream(target, reader, writer):
             return 0, "", b"", method
@@ -265,6 +261,25 @@ class AdminServer:
         return self.route(method, target)
 
 
+def head_problem(head: bytes) -> Answer | None:
+    """What is wrong with a whole request head (ending in a blank line), or None."""
+    parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return _error(400, "malformed request line")
+    lines = head.count(b"\r\n") - 2  # the request line's and the blank line's ends
+    if lines > MAX_HEADERS:
+        return _error(431, f"{lines} header lines: the admin API takes at most {MAX_HEADERS}")
+    return None
+
+
+def overlong_head(seen: bytes) -> Answer:
+    """The answer to a head past MAX_HEAD of which ``seen`` arrived: 414 while the
+    request line is not complete, else 431."""
+    if b"\n" not in seen:
+        return _error(414, f"the request line (URL) is over the limit of {MAX_HEAD} bytes")
+    return _error(431, f"the request head is over the limit of {MAX_HEAD} bytes")
+
+
 async def _read_head(reader: asyncio.StreamReader) -> bytes | Answer | None:
     """The request head, an error answer for one too large or too slow, or None when the
     client closed before a whole head (nobody to answer)."""
@@ -279,10 +294,7 @@ async def _read_head(reader: asyncio.StreamReader) -> bytes | Answer | None:
             408, f"the request head did not arrive within {HEAD_TIMEOUT:g} s of the connection"
         )
     except asyncio.LimitOverrunError:
-        seen = await reader.read(MAX_HEAD)
-        if b"\n" not in seen:
-            return _error(414, f"the request line (URL) is over the limit of {MAX_HEAD} bytes")
-        return _error(431, f"the request head is over the limit of {MAX_HEAD} bytes")
+        return overlong_head(await reader.read(MAX_HEAD))
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
