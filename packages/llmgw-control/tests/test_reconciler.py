@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_control.catalog import Catalog, ModelConfig, build_catalog
 from llmgw_control.inventory import Node, NodeState, ShardReport, node_state
+from llmgw_control.leaving import publishes_leaving
 from llmgw_control.placement import Demand, GpuSlot, NodeView, Placement, place
 from llmgw_control.reconciler import Decision, Settings, reconcile
 from llmgw_control.records import (
@@ -378,3 +380,46 @@ def test_placement_never_chooses_a_remembered_refused_port(
     # What is remembered ends when its time does, and a later refusal extends it.
     for (node_id, port), until in taken.items():
         assert (port in held.get(node_id, set())) == (until > now)
+
+
+# --- issue 28: a serving replica retired is published leaving, then drained -----------
+
+
+def warm_world() -> World:
+    world = World(catalog(replicas=2), make_node("a"), make_node("b"))
+    first = starts(world.step())
+    for s in first:
+        world.report(s, S.READY)
+    world.step(1)
+    return world
+
+
+def step(world: World, dt: float, warm: float) -> list[object]:
+    world.now += dt
+    settings = dataclasses.replace(SETTINGS, warm_before_drain=warm)
+    d = reconcile(world.catalog, world.nodes, world.state, world.now, settings, lambda m, p: "x")
+    world.state = d.state
+    world.next_at = d.next_at  # type: ignore[attr-defined]
+    return list(d.commands)
+
+
+def test_scale_down_publishes_leaving_then_drains_after_the_warning() -> None:
+    world = warm_world()
+    world.catalog = catalog(replicas=2 - 1)
+    assert step(world, 1, warm=3.0) == []  # retired, published leaving: no drain yet
+    (leaving,) = [r for r in world.state.replicas.values() if r.draining]
+    assert leaving.leave_at == world.now + 3.0
+    assert leaving.drain_deadline == leaving.leave_at + SETTINGS.drain_timeout
+    assert world.next_at == leaving.leave_at  # type: ignore[attr-defined]
+    assert publishes_leaving(leaving.draining, leaving.leave_at, world.now)
+    assert step(world, 2, warm=3.0) == []
+    (drain,) = step(world, 1, warm=3.0)
+    assert isinstance(drain, Drain)
+    assert drain.within == SETTINGS.drain_timeout
+
+
+def test_without_warning_the_drain_starts_at_once() -> None:
+    world = warm_world()
+    world.catalog = catalog(replicas=1)
+    (drain,) = step(world, 1, warm=0.0)
+    assert isinstance(drain, Drain)

@@ -66,6 +66,10 @@ class ControlSettings(BaseConfig):
     port_range: tuple[Port, Port] = (20000, 29999)
     heartbeat_interval: Duration = Duration(2.0)
     drain_timeout: Duration = Duration(120.0)
+    # A serving replica llmgw takes away (scale-down, rolling update, node drain, restart)
+    # is published leaving this long before its drain: routers warm the replicas that
+    # inherit its hot prefixes (issue 28). 0: drained at once.
+    warm_before_drain: Duration = Duration(2.0)
     # Engine grace between SIGTERM and SIGKILL on StopShard.
     stop_grace: Duration = Duration(30.0)
     # How long an agent has to answer a command with a CommandResult.

@@ -29,6 +29,7 @@ from llmgw_control.catalog import Catalog
 from llmgw_control.config import ControlConfig, ControlSettings, Loaded
 from llmgw_control.history import History, ModelFigures, RequestIntake, model_rows
 from llmgw_control.inventory import Inventory, NodeState
+from llmgw_control.leaving import publishes_leaving
 from llmgw_control.loads import Figures
 from llmgw_control.lora import LoraManager
 from llmgw_control.metrics import Metrics, failures_by_profile
@@ -76,6 +77,7 @@ def settings_of(c: ControlSettings) -> Settings:
         base_backoff=c.base_backoff,
         max_backoff=c.max_backoff,
         drain_timeout=c.drain_timeout,
+        warm_before_drain=c.warm_before_drain,
         stop_grace=c.stop_grace,
         startup_grace=c.startup_grace,
         adopt_grace=c.lost_after,
@@ -612,8 +614,11 @@ class Controller:
         """The ready replicas as routers get them, each at the URL its agent reported."""
         out = []
         problems: dict[str, str] = {}
+        now = time.monotonic()
         for r in self.state.replicas.values():
-            if r.draining or not r.complete or not r.placed:
+            # A retired replica is published, marked leaving, until its drain begins.
+            leaving = publishes_leaving(r.draining, r.leave_at, now)
+            if (r.draining and not leaving) or not r.complete or not r.placed:
                 continue
             leader = r.shards[0]
             node = self.inventory.nodes.get(leader.node_id)
@@ -651,6 +656,7 @@ class Controller:
                     routes=report.routes,
                     role=report.role or profile.role,
                     kv_port=report.kv_port or r.kv_port,
+                    leaving=leaving,
                 )
             )
         for rid, text in problems.items():

@@ -67,6 +67,8 @@ class EndpointInfo(NamedTuple):
     # A disaggregated pool's role ("prefill"/"decode", "" aggregated) and KV port (issue 32).
     role: str = ""
     kv_port: int = 0
+    # About to be taken away (issue 28, leaving.py): routers warm its heirs.
+    leaving: bool = False
 
     def __repr__(self) -> str:
         shown = self._replace(api_key="***") if self.api_key else self
@@ -90,6 +92,7 @@ class EndpointInfo(NamedTuple):
             routes=list(self.routes),
             role=self.role,
             kv_port=self.kv_port,
+            leaving=self.leaving,
         )
 
 

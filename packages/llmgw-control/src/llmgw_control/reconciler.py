@@ -23,6 +23,7 @@ from llmgw_proto.backoff import exponential
 
 from llmgw_control.catalog import Catalog, ProfileSpec
 from llmgw_control.inventory import Node, NodeState, ShardReport
+from llmgw_control.leaving import leave_times, publishes_leaving
 from llmgw_control.ops import Directives
 from llmgw_control.pd_place import fabric_demand
 from llmgw_control.placement import (
@@ -57,6 +58,8 @@ class Settings:
     base_backoff: float = 5.0
     max_backoff: float = 300.0
     drain_timeout: float = 120.0
+    # A serving replica retired is published leaving this long before its drain (leaving.py).
+    warm_before_drain: float = 0.0
     stop_grace: float = 30.0
     # No new replicas this long after start: agents first report what they run.
     startup_grace: float = 10.0
@@ -163,6 +166,8 @@ class _Pass:
         for r in self.state.replicas.values():
             if r.draining:
                 times.append(r.drain_deadline + self.s.stop_grace)
+                if r.leave_at > self.now:
+                    times.append(r.leave_at)
             elif not r.placed:
                 times.append(r.retry_at)
             elif not r.complete:
@@ -299,6 +304,8 @@ class _Pass:
 
     def _drain(self, r: Replica, reports: list[ShardReport | None]) -> None:
         """Drain every shard once per node session; stop what outlives the deadline."""
+        if publishes_leaving(r.draining, r.leave_at, self.now):
+            return  # published leaving: routers warm its heirs first
         done = True
         for plan, report in zip(r.shards, reports, strict=True):
             node = self.nodes[plan.node_id]
@@ -408,7 +415,9 @@ class _Pass:
             del self.state.replicas[r.replica_id]
             return
         r.draining = True
-        r.drain_deadline = self.now + self.s.drain_timeout
+        r.leave_at, r.drain_deadline = leave_times(
+            self.now, self.s.warm_before_drain, self.s.drain_timeout, r.ready_since is not None
+        )
         r.explanation = why
         self._drain(r, [self._report(p) for p in r.shards])
 

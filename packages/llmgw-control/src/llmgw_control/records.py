@@ -74,6 +74,8 @@ class Replica:
     ready_since: float | None = None
     draining: bool = False
     drain_deadline: float = 0.0
+    # Retired while serving: published leaving until then, drained from then (leaving.py).
+    leave_at: float = 0.0
     # The profile revision it was started with; "" = unknown (adopted): taken as current.
     revision: str = ""
 
