@@ -14,6 +14,7 @@ import msgspec
 
 from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
+from llmgw_router.lora import adapter_entries
 from llmgw_router.proxy.context import Headers
 from llmgw_router.proxy.routes import methods_for
 from llmgw_router.state import RouterState, now
@@ -124,4 +125,10 @@ class Admission:
                 data.append(
                     {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
                 )
+        # LoRA adapters, each with its base model as parent (as vLLM lists them).
+        data += adapter_entries(
+            endpoints.adapters,
+            (lambda name: True) if api_key is None else api_key.allows,
+            created,
+        )
         return msgspec.json.encode({"object": "list", "data": data})
