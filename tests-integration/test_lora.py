@@ -16,6 +16,7 @@ import urllib.request
 from typing import Any
 
 import openai
+from llmgw_control.cli import render_status
 from llmgw_testkit import wait_for
 from llmgw_testkit.cluster import Cluster, vllm_profile
 
@@ -96,6 +97,10 @@ def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(cluster:
     assert status["loads"] == 3
     assert status["unloads"] == 1
     assert status["load_failures"] == 0
+    # `llmgw-control status` shows them.
+    text = render_status(cluster.status())
+    assert "ADAPTER" in text
+    assert "adapter loads 3 (0 failed), unloads 1 (0 failed)" in text
     metrics = cluster.metrics()
     assert (
         'llmgw_control_adapter_commands_total{kind="unload",model="base",result="ok"} 1.0'

@@ -342,3 +342,30 @@ def test_an_unload_is_hidden_from_routers_first_and_sent_after_the_grace(tmp_pat
     step(30.0)
     assert manager.hidden("r1") == frozenset()
     assert manager.status(catalog, [ep], lambda e: (held[e], 0.0), 30.0)["unloads"] == 1
+
+
+def test_status_table_lists_adapters_and_counts() -> None:
+    from llmgw_control.lora import render_adapters
+
+    data = {
+        "lora": {
+            "adapters": {
+                "sql": {
+                    "model": "gemma",
+                    "holders": ["r1"],
+                    "loading": [],
+                    "held_requests": 0,
+                    "rate": 0.5,
+                    "last_error": "",
+                }
+            },
+            "loads": 2,
+            "load_failures": 1,
+            "unloads": 1,
+            "unload_failures": 0,
+        }
+    }
+    (text,) = render_adapters(data, lambda rows, header: repr((header, rows)))
+    assert "'sql', 'gemma', 'r1', '-', '0', '0.5/s', '-'" in text
+    assert text.endswith("adapter loads 2 (1 failed), unloads 1 (0 failed)")
+    assert render_adapters({}, lambda rows, header: "") == []

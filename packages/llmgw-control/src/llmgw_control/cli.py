@@ -42,6 +42,7 @@ from llmgw_control.engine_report import PATH as ENGINE_FLAGS_PATH
 from llmgw_control.engine_report import EngineFlagsApi
 from llmgw_control.history import run_sampler
 from llmgw_control.leading import Leading
+from llmgw_control.lora import render_adapters
 from llmgw_control.store import StoreError
 from llmgw_control.tls_gate import GatedServer
 
@@ -386,6 +387,7 @@ def render_status(data: dict[str, Any]) -> str:
         out.append(
             _table(rows, ["AUTOSCALED", "MIN-MAX", "WANTED", "READY", "METRIC/TARGET", "WHY"])
         )
+    out.extend(render_adapters(data, _table))
     out.extend(opscli.render_operations(data))
     for w in data.get("warnings") or []:
         out.append(f"WARNING {w['replica_id']}: {w['warning']}")

@@ -293,3 +293,31 @@ class LoraManager:
             "unload_failures": self.counts.get(("unload", "error"), 0),
             "at": dt.datetime.now(dt.UTC).isoformat(),
         }
+
+
+def render_adapters(
+    data: dict[str, Any], table: Callable[[list[list[str]], list[str]], str]
+) -> list[str]:
+    """`llmgw-control status`'s LoRA table (none without adapters): each adapter's holders,
+    demand and last error, and the loads and unloads so far. ``data`` is escaped already."""
+    lora = data.get("lora")
+    if not lora:
+        return []
+    rows = [
+        [
+            name,
+            a["model"],
+            ",".join(a["holders"]) or "-",
+            ",".join(a["loading"]) or "-",
+            str(a["held_requests"]),
+            f"{a['rate']:g}/s",
+            a["last_error"] or "-",
+        ]
+        for name, a in sorted(lora["adapters"].items())
+    ]
+    header = ["ADAPTER", "MODEL", "HOLDERS", "LOADING", "HELD", "RATE", "LAST ERROR"]
+    counts = (
+        f"adapter loads {lora['loads']} ({lora['load_failures']} failed), "
+        f"unloads {lora['unloads']} ({lora['unload_failures']} failed)"
+    )
+    return [table(rows, header) + "\n" + counts]
