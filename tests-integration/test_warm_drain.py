@@ -1,0 +1,104 @@
+"""Issue 28 point 3: a drain that keeps the cache warm, the whole chain as real processes.
+
+A model scaled from two replicas to one: the control plane publishes the replica it takes
+away as leaving for `warm_before_drain` before it drains it; the router then sends the
+replica that stays one-token copies of the prompts it sent the leaving one, and every new
+request goes to the one that stays.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+
+import httpx
+from llmgw_testkit import wait_for
+from llmgw_testkit.cluster import Cluster, metric_sum, vllm_profile
+
+
+def engine_metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        return metric_sum(resp.read().decode(), name)
+
+
+def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.router_admin_port}/metrics", timeout=5).text
+    return metric_sum(text, name, **labels)
+
+
+def prompt(i: int) -> str:
+    return f"tenant {i:03d} shares this system prompt. " + ("lorem ipsum dolor sit amet " * 60)
+
+
+def test_scale_down_warms_the_replica_that_inherits(cluster: Cluster) -> None:
+    # Long enough for the router to act on the mark, short for the suite.
+    cluster.timings["warm_before_drain"] = "4s"
+    models = [{"name": "chat", "profiles": {"default": vllm_profile(gpus=1, replicas=2)}}]
+    cluster.start_control(models)
+    cluster.start_agent("gpu-a", gpus=2)
+    cluster.start_router()
+    replicas = cluster.wait_replicas("chat", 2)
+    urls = {r["replica_id"]: r["endpoint"] for r in replicas}
+    cluster.wait_router_models("chat")
+
+    with httpx.Client(timeout=60) as http:
+        for _ in range(3):
+            for i in range(16):
+                r = http.post(
+                    cluster.router_url + "/v1/completions",
+                    json={"model": "chat", "prompt": prompt(i), "max_tokens": 2},
+                )
+                assert r.status_code == 200, r.text
+        served = {
+            rid: engine_metric(url, "vllm:request_success_total") for rid, url in urls.items()
+        }
+        assert all(n > 0 for n in served.values()), served
+        generated = {
+            rid: engine_metric(url, "vllm:generation_tokens_total") for rid, url in urls.items()
+        }
+
+        config_path = cluster.workdir / "control.yaml"
+        config = json.loads(config_path.read_text())
+        config["models"][0]["profiles"]["default"]["replicas"] = 1
+        config_path.write_text(json.dumps(config, indent=2))
+        assert cluster.control is not None
+        cluster.control.signal(signal.SIGHUP)
+
+        # The router warms the heir while the leaving replica is still published.
+        wait_for(
+            lambda: router_metric(cluster, "llmgw_router_warm_requests_total") >= 1,
+            timeout=60,
+            what="warm requests sent",
+        )
+        (removed,) = [r for r in cluster.replicas("chat") if r["state"] == "draining"]
+        (kept,) = [rid for rid in urls if rid != removed["replica_id"]]
+        warm = router_metric(cluster, "llmgw_router_warm_requests_total", outcome="ok")
+        assert warm >= 1
+        # One token each, at the heir only.
+        wait_for(
+            lambda: (
+                engine_metric(urls[kept], "vllm:generation_tokens_total") == generated[kept] + warm
+            ),
+            timeout=30,
+            what="warm requests answered by the heir",
+        )
+        assert (
+            engine_metric(urls[removed["replica_id"]], "vllm:generation_tokens_total")
+            == generated[removed["replica_id"]]
+        )
+        # Bounded: at most a tenth of the prompt tokens this router sent lately, all told.
+        sent = sum(len(prompt(i)) // 4 for i in range(16)) * 3
+        assert router_metric(cluster, "llmgw_router_warm_prompt_tokens_total") <= 0.1 * sent
+
+        # New requests go to the heir, the leaving replica's prompts included.
+        before = engine_metric(urls[kept], "vllm:request_success_total")
+        for i in range(16):
+            r = http.post(
+                cluster.router_url + "/v1/completions",
+                json={"model": "chat", "prompt": prompt(i), "max_tokens": 2},
+            )
+            assert r.status_code == 200, r.text
+        assert engine_metric(urls[kept], "vllm:request_success_total") == before + 16
+
+    wait_for(lambda: len(cluster.replicas("chat")) == 1, timeout=60, what="one replica left")
