@@ -1,0 +1,218 @@
+"""Prefill/decode disaggregation (issue 32): 2 prefill + 2 decode engines against 4 aggregated.
+
+    python tools/bench/bench_disagg.py                       # long and short mixes
+    python tools/bench/bench_disagg.py --seconds 20 --mixes long
+
+The same four simulated vLLM engines (``llmgw-sim vllm serve``, step scheduler: a token
+budget per step, chunked prefill, continuous batching), started fresh for every run,
+behind one ``llmgw-router`` (static endpoints, ``least_outstanding``) either as four
+aggregated replicas or as two prefill and two decode replicas (``role``), the router
+running the two-phase exchange (proxy/disagg.py) and the simulators vLLM's protocol
+(llmgw_sim.kvtransfer: a decode engine computes only the prompt's last token, after
+``--transfer-per-token`` seconds a token). Open-loop Poisson arrivals of streaming chat
+completions, unique prompts (no prefix-cache help either way):
+
+- ``long``: ``--long-prompt`` (8,192) prompt tokens, ``--long-out`` (256) output tokens;
+- ``short``: 256 prompt tokens, 64 output tokens.
+
+The rate is ``--load`` of the disaggregated fleet's capacity (its two prefill engines'
+prefill rate, the bottleneck of a prefill-heavy mix), so both fleets see the same
+requests. Reported per run: ITL p90, p99 and max (gaps between a stream's content
+chunks, all streams), TTFT p90, requests/s completed and output tokens/s; the first ``--warmup``
+share of arrivals is sent but not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from benchlib import serving
+from llmgw_testkit import free_port
+
+BIN = Path(sys.executable).parent
+MODEL = "m"
+PREFILL_RATE = 20000.0  # the simulator's default, tokens/s
+
+
+@contextlib.contextmanager
+def engines(n: int, scale: float, transfer: float, logs: Path) -> Iterator[list[str]]:
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i in range(n):
+            port = free_port()
+            argv = [str(BIN / "llmgw-sim"), "vllm", "serve", "org/model", "--host",
+                    "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
+                    "--max-model-len", "16384", "--num-gpu-blocks-override", "8192",
+                    "--sim-scheduler", "step", "--sim-seed", str(i),
+                    "--sim-prefill-rate", f"{PREFILL_RATE / scale:g}",
+                    "--sim-step-time", f"{0.008 * scale:g}",
+                    "--sim-decode-seq-time", f"{0.0001 * scale:g}",
+                    "--sim-kv-transfer-per-token", f"{transfer:g}",
+                    "--sim-name", f"e{i}"]  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            stack.enter_context(
+                serving(
+                    argv,
+                    health=url + "/health",
+                    what="llmgw-sim",
+                    log_dir=logs,
+                    name=f"engine{i}",
+                    timeout=60,
+                )
+            )
+            urls.append(url)
+        yield urls
+
+
+@contextlib.contextmanager
+def router(urls: list[str], disagg: bool, logs: Path) -> Iterator[str]:
+    port, admin = free_port(), free_port()
+    entries: list[dict[str, Any]] = []
+    for i, url in enumerate(urls):
+        entry: dict[str, Any] = {"id": f"e{i}", "url": url, "models": [MODEL]}
+        if disagg:
+            entry.update(role="prefill" if i < len(urls) // 2 else "decode", engine="vllm")
+            entry["profile"] = entry["role"]
+        entries.append(entry)
+    config = {
+        "listen": f"127.0.0.1:{port}",
+        "admin_listen": f"127.0.0.1:{admin}",
+        "workers": 1,
+        "balancer": "least_outstanding",
+        "deadlines": {"first_byte": "600s", "total": "900s", "idle": "600s"},
+        "endpoints": entries,
+    }
+    path = logs / f"router-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = [str(BIN / "llmgw-router"), "serve", "--config", str(path)]
+    with serving(argv, health=f"http://127.0.0.1:{admin}/readyz", what="llmgw-router",
+                 log_dir=logs, name="router", timeout=60):  # fmt: skip
+        yield f"http://127.0.0.1:{port}"
+
+
+def prompt(rng: random.Random, tokens: int) -> str:
+    # The simulator counts a word a token: unique words, so no prefix is shared.
+    return " ".join(f"w{rng.getrandbits(40):x}" for _ in range(tokens))
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: bytes, out: dict[str, Any]) -> None:
+    sent = time.monotonic()
+    chunks: list[float] = []
+    async with session.post(url + "/v1/chat/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+        out["status"] = resp.status
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                choices = event.get("choices") or []
+                if choices and choices[0].get("delta", {}).get("content"):
+                    chunks.append(time.monotonic())
+    out["ttft"] = chunks[0] - sent if chunks else None
+    out["gaps"] = [b - a for a, b in itertools.pairwise(chunks)]
+    out["tokens"] = len(chunks)
+    out["done"] = time.monotonic()
+
+
+async def drive(url: str, rate: float, seconds: float, shape: tuple[int, int], seed: int
+                ) -> tuple[list[dict[str, Any]], float, float]:  # fmt: skip
+    rng = random.Random(seed)
+    n = max(1, int(rate * seconds))
+    bodies = [
+        json.dumps({"model": MODEL, "stream": True, "max_tokens": shape[1], "ignore_eos": True,
+                    "messages": [{"role": "user", "content": prompt(rng, shape[0])}]}).encode()
+        for _ in range(n)
+    ]  # fmt: skip
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.monotonic()
+        tasks = []
+        at = 0.0
+        for i in range(n):
+            delay = start + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            results[i]["sent"] = time.monotonic()
+            tasks.append(asyncio.create_task(one(session, url, bodies[i], results[i])))
+            at += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    return results, start, time.monotonic()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarise(results: list[dict[str, Any]], warmup: float) -> dict[str, float]:
+    counted = results[int(len(results) * warmup) :]
+    ok = [r for r in counted if r.get("status") == 200 and r.get("ttft") is not None]
+    gaps = [g for r in ok for g in r["gaps"]]
+    first, last = min(r["sent"] for r in counted), max(r["done"] for r in ok)
+    span = max(last - first, 1e-9)
+    return {
+        "requests": len(counted),
+        "ok": len(ok),
+        "itl_p90_ms": pct(gaps, 0.9) * 1000,
+        "itl_p99_ms": pct(gaps, 0.99) * 1000,
+        "itl_max_ms": max(gaps, default=float("nan")) * 1000,
+        "ttft_p90_s": pct([r["ttft"] for r in ok], 0.9),
+        "req_s": len(ok) / span,
+        "tok_s": sum(r["tokens"] for r in ok) / span,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=40.0)
+    parser.add_argument("--load", type=float, default=0.75)
+    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument("--transfer-per-token", type=float, default=0.000005)
+    parser.add_argument("--long-prompt", type=int, default=8192)
+    parser.add_argument("--long-out", type=int, default=256)
+    parser.add_argument("--warmup", type=float, default=0.2)
+    parser.add_argument("--mixes", nargs="+", default=["long", "short"], choices=["long", "short"])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    shapes = {"long": (args.long_prompt, args.long_out), "short": (256, 64)}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-disagg-") as tmp:
+        logs = Path(tmp)
+        for mix in args.mixes:
+            p, o = shapes[mix]
+            prefill_s = p / (PREFILL_RATE / args.time_scale)
+            # Two prefill engines' capacity (the disaggregated fleet's bottleneck when
+            # prefill-heavy); for short prompts the decode side bounds it sooner.
+            decode_s = o * 0.008 * args.time_scale / 16  # ~16 streams batched per engine
+            rate = args.load * 2 / max(prefill_s, decode_s)
+            for disagg in (False, True):
+                with engines(4, args.time_scale, args.transfer_per_token, logs) as urls, \
+                        router(urls, disagg, logs) as url:  # fmt: skip
+                    results, _, _ = asyncio.run(drive(url, rate, args.seconds, (p, o), 1))
+                row = {"mix": mix, "fleet": "2P+2D" if disagg else "4 aggregated",
+                       "rate": rate, **summarise(results, args.warmup)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row) if args.json else
+                      f"{mix:5} {row['fleet']:13} rate {rate:5.2f}/s  ok {row['ok']}/{row['requests']}"
+                      f"  ITL p90 {row['itl_p90_ms']:6.1f} p99 {row['itl_p99_ms']:6.1f} max {row['itl_max_ms']:6.0f} ms  TTFT p90 {row['ttft_p90_s']:6.2f} s"
+                      f"  {row['req_s']:5.2f} req/s  {row['tok_s']:7.1f} tok/s", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
