@@ -7,6 +7,7 @@ valid router. Cross-field rules that msgspec cannot express are checked in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -289,7 +290,7 @@ class ApiKey:
     secret: bytes
     name: str
     models: frozenset[str]
-    limits: KeyLimits = KeyLimits()
+    limits: KeyLimits = dataclasses.field(default_factory=KeyLimits)
     priority: str = ""
     weight: int = 1
     budget_period: str = ""
