@@ -4,8 +4,11 @@ The control plane marks a replica it is about to take away (scale-down, rolling 
 node drain, restart) ``leaving`` in the endpoint snapshot and waits a bounded time before
 draining it. On seeing the mark, this router
 
-- sends the leaving endpoint no new request while another endpoint of its model can take
-  it (a retry or a resume may still go there when none can);
+- keeps sending it the requests the balancer gives it while it warms their new homes (it
+  still serves, and holds their prefixes: a request moved to a new home before the warm
+  copy's prefill is done would prefill again there), then sends it no new request while
+  another endpoint of its model can take it (a retry or a resume may still go there when
+  none can); with nothing to warm (or warming off), at once;
 - takes the prompts it sent there most often lately (:class:`RecentPrompts`: a bounded
   sample per endpoint, one prompt per rendezvous block, with how often it was sent);
 - computes each one's new home: the first of cache_aware's rendezvous ranking of the
@@ -17,8 +20,8 @@ draining it. On seeing the mark, this router
 - sends each to its new home as a prefill-only request (``max_tokens: 1``, not streamed,
   one choice), ``warming.concurrency`` at a time, in the background and never ahead of
   a client (it takes no tenant's slot; the engine sees one short request);
-- points its prefix index at the new homes, so the next requests for those prefixes go
-  there as held prefixes.
+- points its prefix index at each new home once its copy is answered, so the next requests
+  for that prefix go there as a held prefix.
 
 Counted in ``llmgw_router_warm_requests_total{model,outcome}`` and
 ``llmgw_router_warm_prompt_tokens_total{model}`` (the estimated prompt tokens sent).
@@ -189,8 +192,10 @@ class Warmer:
         self.recent = RecentPrompts(
             config.samples_per_endpoint, cache_aware.window, cache_aware.affinity_blocks
         )
-        # Endpoints marked leaving in the current snapshot (checked on every pick).
+        # Endpoints marked leaving in the current snapshot, and those of them sent no new
+        # request any more (warmed, or nothing to warm; checked on every pick).
         self.leaving: frozenset[str] = frozenset()
+        self.excluded: frozenset[str] = frozenset()
         self._tasks: set[asyncio.Task[None]] = set()
         state.on_endpoints.append(self._on_endpoints)
         self._on_endpoints()
@@ -202,11 +207,11 @@ class Warmer:
             self.recent.note(ep.id, ctx)
 
     def staying(self, tier: list[Endpoint]) -> list[Endpoint]:
-        """``tier`` without its leaving endpoints, unless none would be left."""
-        leaving = self.leaving
-        if not leaving:
+        """``tier`` without its leaving endpoints done warming, unless none would be left."""
+        excluded = self.excluded
+        if not excluded:
             return tier
-        kept = [ep for ep in tier if ep.id not in leaving]
+        kept = [ep for ep in tier if ep.id not in excluded]
         return kept or tier
 
     # ------------------------------------------------------------ on a new snapshot
@@ -216,14 +221,18 @@ class Warmer:
         leaving = frozenset(ep.id for ep in endpoints if ep.spec.leaving)
         new = leaving - self.leaving
         self.leaving = leaving
+        self.excluded &= leaving
         present = {ep.id for ep in endpoints}
         for gone in [i for i in self.recent._hot if i not in present]:
             self.recent.forget(gone)
-        if not new or not self.config.enabled:
+        if not new:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            loop = None
+        if loop is None or not self.config.enabled:
+            self.excluded |= new
             return
         for ep in endpoints:
             if ep.id in new:
@@ -270,14 +279,21 @@ class Warmer:
         log.info("warming", leaving=leaving.id, prompts=len(jobs), token_budget=budget)
         balancer = self.state.balancer
         gate = asyncio.Semaphore(config.concurrency)
+        left = [len(jobs)]
+
+        def done() -> None:
+            left[0] -= 1
+            if left[0] <= 0:
+                self.excluded |= {leaving.id} & self.leaving
+
+        if not jobs:
+            done()
 
         async def one(target: Endpoint, h: Hot) -> None:
-            # The index points at the new home at once: the next request goes there.
-            if isinstance(balancer, CacheAware):
-                balancer._record(target, h.prefix)
             body = warm_body(h.body)
             metrics = self.state.metrics
             if body is None:
+                done()
                 return
             async with gate:
                 outcome = "ok"
@@ -300,6 +316,10 @@ class Warmer:
                 except Exception as exc:  # the engine's answer does not matter: count it
                     outcome = "failed"
                     log.info("warm request failed", endpoint=target.id, error=str(exc))
+            # Its prefix is cached there now: the index points at the new home.
+            if isinstance(balancer, CacheAware) and outcome == "ok":
+                balancer._record(target, h.prefix)
+            done()
             metrics.child(metrics.warm_requests, h.model, outcome).inc()
             metrics.child(metrics.warm_tokens, h.model).inc(h.tokens)
 
