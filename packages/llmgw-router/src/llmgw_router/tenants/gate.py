@@ -234,7 +234,7 @@ class Tenancy:
             period = _period(key.budget_period, time.time())
             if self._periods.setdefault(key.name, period) != period:
                 self._periods[key.name] = period
-                ks.grant(limits.budget_tokens // self.workers)
+                ks.new_period(limits.budget_tokens // self.workers)
         return ks
 
     # ------------------------------------------------------------------ admission
@@ -324,13 +324,16 @@ class Tenancy:
         if ticket.state is not None and ticket.reservation is not None:
             ticket.state.release(ticket.reservation, used, at)
         usage = self.usage.get(name)
-        if usage is not None and known:
+        if usage is None:
+            # Admitted before the last usage report was taken: its usage is in the next.
+            usage = self.usage[name] = Usage()
+        if known:
             usage.prompt_tokens += prompt_tokens or 0
             usage.completion_tokens += completion_tokens or 0
             m = self.metrics
             m.child(m.tokens, name, "prompt").inc(prompt_tokens or 0)
             m.child(m.tokens, name, "completion").inc(completion_tokens or 0)
-        if status >= 400 and usage is not None:
+        if status >= 400:
             usage.errors += 1
             self.metrics.child(self.metrics.errors, name).inc()
         if ticket.gated:
@@ -534,6 +537,8 @@ class Tenancy:
     def take_usage(self) -> dict[str, Usage]:
         """Usage since the last call, per key; the counts start again."""
         taken, self.usage = self.usage, {}
+        for ks in self.keys.values():
+            ks.reported()
         return taken
 
     def in_flight(self, name: str) -> int:

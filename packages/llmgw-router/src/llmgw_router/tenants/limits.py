@@ -117,6 +117,7 @@ class KeyState:
         "limits",
         "requests",
         "tokens",
+        "unreported",
     )
 
     def __init__(self, limits: KeyLimits, now: float) -> None:
@@ -128,6 +129,9 @@ class KeyState:
         # reserved by requests in flight.
         self.budget_left = limits.budget_tokens
         self.budget_reserved = 0
+        # Tokens used by requests that ended since the usage report now pending (or the
+        # next one) was taken: in no grant's count yet, and no longer reserved.
+        self.unreported = 0
 
     def set_limits(self, limits: KeyLimits, now: float) -> None:
         """A new share (or new limits): buckets resized, usage against them kept."""
@@ -136,8 +140,21 @@ class KeyState:
         self.tokens = _resized(self.tokens, limits.tpm, now)
 
     def grant(self, tokens: int) -> None:
-        """A new budget grant: what this router may reserve from now on, less what its
-        requests in flight hold already (the control plane has not seen those yet)."""
+        """A new budget grant (the reply to the usage report taken last): what this
+        router may reserve from now on, less what the control plane has not counted:
+        its requests in flight hold (reserved), and what requests that ended since that
+        report was taken used (they are in the next report)."""
+        self.budget_left = max(0, tokens - self.budget_reserved - self.unreported)
+
+    def reported(self) -> None:
+        """A usage report was taken: what ended before it is in the control plane's count
+        once the report is answered."""
+        self.unreported = 0
+
+    def new_period(self, tokens: int) -> None:
+        """A router-config key's budget for a new period: ``tokens`` less what its
+        requests in flight hold."""
+        self.unreported = 0
         self.budget_left = max(0, tokens - self.budget_reserved)
 
     def try_reserve(self, tokens: int, now: float) -> Reservation | Refusal:
@@ -208,6 +225,7 @@ class KeyState:
             bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - actual)
         if reservation.budget:
             self.budget_reserved -= reservation.budget
+            self.unreported += actual
             # The budget grant gives back what was not used; an overrun is taken from it.
             self.budget_left = max(0, self.budget_left + reservation.budget - actual)
 
