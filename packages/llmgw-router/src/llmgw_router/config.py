@@ -29,6 +29,7 @@ __all__ = [
     "ControlConfig",
     "Deadlines",
     "DeadlinesOverride",
+    "DisaggConfig",
     "EjectionConfig",
     "EndpointConfig",
     "HealthCheckConfig",
@@ -178,6 +179,16 @@ class WarmingConfig(BaseConfig):
     max_prefill_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
     # One prefill-only request's limit, in seconds.
     timeout: Annotated[float, msgspec.Meta(gt=0, le=600)] = 30.0
+
+
+class DisaggConfig(BaseConfig):
+    """Disaggregated models (proxy/disagg.py): which requests take the two-phase path."""
+
+    # A vLLM-family request whose prompt is estimated (body bytes / 4) under this many
+    # tokens goes straight to a decode engine, which prefills it itself; 0: every request
+    # is prefilled on a prefill engine. SGLang decode engines take only transferred
+    # requests, so its models always go through both phases.
+    min_prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
 
 
 class LoadReportsConfig(BaseConfig):
@@ -354,6 +365,7 @@ class RouterConfig(BaseConfig):
     affinity: AffinityConfig = msgspec.field(default_factory=AffinityConfig)
     cache_aware: CacheAwareConfig = msgspec.field(default_factory=CacheAwareConfig)
     warming: WarmingConfig = msgspec.field(default_factory=WarmingConfig)
+    disagg: DisaggConfig = msgspec.field(default_factory=DisaggConfig)
     load_reports: LoadReportsConfig = msgspec.field(default_factory=LoadReportsConfig)
     hold: HoldConfig = msgspec.field(default_factory=HoldConfig)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024

@@ -266,6 +266,35 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        # Disaggregated models (proxy/disagg.py, issue 32).
+        self.disagg_phase = Histogram(
+            "llmgw_router_disagg_phase_seconds",
+            "A disaggregated request's phases: prefill (the prefill engine's answer), "
+            "transfer (decode request to its first byte: KV fetch and first step), "
+            "decode (first byte to the end).",
+            ["model", "phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.disagg_pairs = Counter(
+            "llmgw_router_disagg_pairs",
+            "Prefill/decode pairs that served a request, by both endpoints.",
+            ["model", "prefill", "decode"],
+            registry=r,
+        )
+        self.disagg_prefill_retries = Counter(
+            "llmgw_router_disagg_prefill_retries",
+            "Prefill attempts made again (on another prefill endpoint) after one failed.",
+            ["model"],
+            registry=r,
+        )
+        self.disagg_local = Counter(
+            "llmgw_router_disagg_local",
+            "Requests of a disaggregated model sent to a decode engine alone (prompt "
+            "under disagg.min_prompt_tokens).",
+            ["model"],
+            registry=r,
+        )
         self.ejections = Counter(
             "llmgw_router_ejections", "Outlier ejections, by endpoint.", ["endpoint"], registry=r
         )

@@ -89,6 +89,8 @@ class RequestContext:
     pick_reason: str = ""
     pick_miss: int = 0
     retries: int = 0
+    # When the answer's first byte went to the client (the router's clock; 0: not yet).
+    first_byte_at: float = 0.0
     # The outcome, counted once when the request ends.
     status: int = 0
     endpoint: str = ""

@@ -22,6 +22,16 @@ before the first byte retries the pair (a fresh prefill), and a resumed stream
 engine and the next prefill endpoint is tried, each at most ``PREFILL_ROUNDS`` (2) times;
 when none answers, the attempt fails with reason ``prefill`` (not counted against the
 decode engine).
+
+Short prompts (``disagg.min_prompt_tokens``, vLLM family only): a request whose prompt is
+estimated (body bytes / 4) under it goes to a decode engine alone, which prefills it
+itself (a vLLM engine with a KV connector serves a request without
+``kv_transfer_params`` as any engine does); SGLang's decode engines take only
+transferred requests. Metrics: ``llmgw_router_disagg_phase_seconds{phase}`` (prefill,
+transfer: the decode request to its first byte, decode: first byte to the end),
+``llmgw_router_disagg_pairs_total{prefill,decode}``,
+``llmgw_router_disagg_prefill_retries_total``, ``llmgw_router_disagg_local_total``; the
+log line ``disaggregated request`` names both engines and each phase's time.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ __all__ = [
     "PHASED_PATHS",
     "Phases",
     "decode_params",
+    "local",
     "sglang_body",
     "split",
     "vllm_decode_body",
@@ -54,6 +65,8 @@ log = structlog.get_logger(__name__)
 PHASED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # How many times over each prefill endpoint may be tried for one decode attempt.
 PREFILL_ROUNDS = 2
+# Prompt bytes per token, to estimate a prompt's length from its body.
+BYTES_PER_TOKEN = 4
 # The params vLLM's proxy asks a prefill engine for (toy_proxy_server's shape).
 REMOTE_DECODE = {
     "do_remote_decode": True,
@@ -72,6 +85,13 @@ def split(candidates: Sequence[Endpoint]) -> tuple[list[Endpoint], list[Endpoint
     if not prefill and not decode:
         return None
     return prefill, decode
+
+
+def local(body_bytes: int, engine: str, min_prompt_tokens: int) -> bool:
+    """Whether a request goes to a decode engine alone (its prompt is short enough)."""
+    if engine == "sglang" or min_prompt_tokens <= 0:
+        return False
+    return body_bytes // BYTES_PER_TOKEN < min_prompt_tokens
 
 
 def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +138,7 @@ def _host(url: str) -> str:
 class Phases:
     """One request's prefill phases, before each of its decode attempts."""
 
-    __slots__ = ("_pool", "_state", "_tasks", "prefill", "seconds")
+    __slots__ = ("_pool", "_state", "_tasks", "decode_sent", "prefill", "prefill_id", "seconds")
 
     def __init__(self, state: RouterState, pool: Pool, prefill: list[Endpoint]) -> None:
         self._state = state
@@ -126,6 +146,9 @@ class Phases:
         self.prefill = prefill
         self._tasks: set[asyncio.Task[None]] = set()
         self.seconds = 0.0
+        # The last pair's prefill endpoint and when its decode request went out.
+        self.prefill_id = ""
+        self.decode_sent = 0.0
 
     def _pick(self, ctx: RequestContext, exclude: set[str]) -> Endpoint | None:
         state = self._state
@@ -156,9 +179,11 @@ class Phases:
             return  # not JSON: the decode engine answers it (400) as it would
         if not isinstance(body, dict):
             return
+        metrics = self._state.metrics
         tried: set[str] = set()
         detail = "no prefill endpoint"
         rounds = PREFILL_ROUNDS
+        failed = False
         while True:
             ep = self._pick(ctx, tried)
             if ep is None:
@@ -168,6 +193,8 @@ class Phases:
                 tried.clear()  # every prefill engine failed once: each may be tried again
                 continue
             tried.add(ep.id)
+            if failed:
+                metrics.child(metrics.disagg_prefill_retries, ctx.model).inc()
             started = now()
             try:
                 if decode.spec.engine == "sglang":
@@ -191,9 +218,14 @@ class Phases:
                     reason=failure.reason,
                     detail=failure.detail,
                 )
+                failed = True
                 continue
-            self.seconds = now() - started
+            self.decode_sent = now()
+            self.seconds = self.decode_sent - started
+            self.prefill_id = ep.id
             ctx.body = encoded
+            if params is not None:  # SGLang's prefill runs beside the decode: timed there
+                metrics.child(metrics.disagg_phase, ctx.model, "prefill").observe(self.seconds)
             log.info(
                 "prefill phase",
                 model=ctx.model,
@@ -204,6 +236,26 @@ class Phases:
             )
             return
         raise UpstreamFailure("prefill", f"no prefill engine answered: {detail}")
+
+    def done(self, ctx: RequestContext, decode: Endpoint) -> None:
+        """The decode attempt at ``decode`` answered: count the pair and its phases."""
+        metrics = self._state.metrics
+        ended = now()
+        first = ctx.first_byte_at if ctx.first_byte_at >= self.decode_sent else ended
+        transfer, rest = first - self.decode_sent, ended - first
+        metrics.child(metrics.disagg_pairs, ctx.model, self.prefill_id, decode.id).inc()
+        metrics.child(metrics.disagg_phase, ctx.model, "transfer").observe(transfer)
+        metrics.child(metrics.disagg_phase, ctx.model, "decode").observe(rest)
+        log.info(
+            "disaggregated request",
+            model=ctx.model,
+            prefill=self.prefill_id,
+            decode=decode.id,
+            engine=decode.spec.engine or "vllm",
+            prefill_seconds=round(self.seconds, 6),
+            transfer_seconds=round(transfer, 6),
+            decode_seconds=round(rest, 6),
+        )
 
     async def _post(self, ctx: RequestContext, ep: Endpoint, body: bytes) -> bytes:
         pool = self._pool
@@ -256,8 +308,11 @@ class Phases:
         return params
 
     async def _sglang_prefill(self, ctx: RequestContext, ep: Endpoint, body: bytes) -> None:
+        started = now()
         try:
             await self._post(ctx, ep, body)
+            metrics = self._state.metrics
+            metrics.child(metrics.disagg_phase, ctx.model, "prefill").observe(now() - started)
         except UpstreamFailure as failure:
             self._state.record_failure(ep, failure.reason)
             log.info("prefill failed", endpoint=ep.id, model=ctx.model, detail=failure.detail)
@@ -276,5 +331,10 @@ def phases_for(state: RouterState, pool: Pool | None, ctx: RequestContext) -> Ph
     if decode:
         ctx.candidates = tuple(decode)
     if not prefill or not decode or pool is None or ctx.path not in PHASED_PATHS:
+        return None
+    engine = decode[0].spec.engine or "vllm"
+    if local(len(ctx.body), engine, state.config.disagg.min_prompt_tokens):
+        metrics = state.metrics
+        metrics.child(metrics.disagg_local, ctx.model).inc()
         return None
     return Phases(state, pool, prefill)

@@ -96,6 +96,8 @@ class Exchange:
                     await self._attempt_traced(ctx, send, ep, splice)
                 else:
                     await self._attempt(ctx, send, ep, splice)
+                if phases is not None:
+                    phases.done(ctx, ep)
                 if splice is not None and splice.resumes:
                     log.info(
                         "resumed stream ended",

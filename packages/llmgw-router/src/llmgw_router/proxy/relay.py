@@ -111,7 +111,8 @@ class Relay:
         streamed = content_type.startswith(b"text/event-stream")
         if status >= 400:
             return await self._error(ctx, send, ep, response, first)
-        ttft = now() - ctx.started
+        ctx.first_byte_at = now()
+        ttft = ctx.first_byte_at - ctx.started
         metrics.child(metrics.ttft, model).observe(ttft)
         await send.start(status, response_headers(response))
         # What usage is read from: the whole (small) JSON body, or a stream's last chunks.

@@ -81,7 +81,8 @@ class ResumableRelay:
             if status != 200 or not streamed:
                 return await self.plain.relay(ctx, send, ep, response, first)
             splice.started = True
-            metrics.child(metrics.ttft, model).observe(now() - ctx.started)
+            ctx.first_byte_at = now()
+            metrics.child(metrics.ttft, model).observe(ctx.first_byte_at - ctx.started)
             await send.start(status, response_headers(response))
         gap = metrics.child(metrics.gap, model)
         last_at = loop.time()
