@@ -353,3 +353,70 @@ def test_only_the_markers_the_template_writes_are_cut_at(tmp_path: Path) -> None
     # A client writing another added token: still the full tokenization's tokens.
     messages = [{"role": "user", "content": "hello <unused5> there " * 20}]
     assert list(prompt.chat(messages) or []) == prompt.full(prompt.render(messages) or "")
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    name=st.sampled_from(["gemma-bytelevel", "chatml-bytelevel", "chatml-words"]),
+    conversation=conversations,
+    cache_bytes=st.sampled_from([1500, 4000, 64 * 1024 * 1024]),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    max_blocks=st.integers(1, 40),
+)
+def test_the_cached_path_gives_the_block_hashes_of_a_full_tokenization_turn_after_turn(
+    folders: dict[str, Path],
+    name: str,
+    conversation: list[dict[str, str]],
+    cache_bytes: int,
+    sizes: list[int],
+    max_blocks: int,
+) -> None:
+    # Hashes kept with the cached segments (some evicted between turns, or while the
+    # hashes are kept) are those of the whole prompt's tokens hashed afresh.
+    cache = TokenCache(cache_bytes)
+    tok = PromptTokenizer(folders[name], cache)
+    for turn in range(1, len(conversation) + 1):
+        messages = conversation[:turn]
+        expected = tok.full(tok.render(messages) or "")
+        for _ in range(2):
+            blocks = asyncio.run(tok.chat_blocks(messages, max_blocks))
+            if not expected:
+                assert blocks is None
+                continue
+            assert blocks is not None
+            assert list(blocks.tokens) == expected
+            for size in sizes:
+                want = token_block_hashes(expected, size, max_blocks=max_blocks)
+                assert blocks.hashes(size) == want
+                assert blocks.prefix(size) == (tuple(want) or (block_hash(0, expected),))
+            assert cache.bytes <= cache_bytes
+
+
+def test_a_conversations_next_turn_hashes_only_its_new_blocks(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llmgw_router.tokens as tokens_module
+
+    hashed: list[int] = []
+
+    def counting(parent: int, tokens: Any) -> int:
+        hashed.append(len(tokens))
+        return block_hash(parent, tokens)
+
+    monkeypatch.setattr(tokens_module, "block_hash", counting)
+    tok = PromptTokenizer(folders["gemma-bytelevel"], TokenCache(1 << 20))
+    first = [{"role": "user", "content": "hello there " * 50}]
+    one = asyncio.run(tok.chat_blocks(first, 256))
+    assert one is not None
+    assert len(one.hashes(4)) == len(one.tokens) // 4 == len(hashed)
+    second = [*first, {"role": "model", "content": "a b"}, {"role": "user", "content": "x"}]
+    hashed.clear()
+    two = asyncio.run(tok.chat_blocks(second, 256))
+    assert two is not None
+    expected = tok.full(tok.render(second) or "")
+    assert two.hashes(4) == token_block_hashes(expected, 4, max_blocks=256)
+    # Only the blocks ending after the first turn's last segment kept its hashes (the
+    # generation prompt's segment, "<start_of_turn>model\n", is not in the second turn).
+    assert 0 < len(hashed) < 20 < len(one.tokens) // 4

@@ -15,7 +15,6 @@ from starlette.routing import Route
 from llmgw_router.balancing import CacheAware
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.state import RouterState
-from llmgw_router.tokens import PromptBlocks
 
 __all__ = ["admin_app"]
 
@@ -180,13 +179,14 @@ def admin_app(state: RouterState) -> Starlette:
                 {"error": f"no tokenizer for {model!r} in cache_aware.tokenizers"},
                 status_code=404,
             )
+        max_blocks = state.config.cache_aware.max_blocks
         if "messages" in body:
-            tokens = await tokenizer.chat_async(body["messages"])
+            blocks = await tokenizer.chat_blocks(body["messages"], max_blocks)
         else:
-            tokens = await tokenizer.completion_async(body.get("prompt"))
-        if tokens is None:
+            blocks = await tokenizer.completion_blocks(body.get("prompt"), max_blocks)
+        if blocks is None:
             return JSONResponse({"model": model, "prompt_tokens": None, "endpoints": []})
-        blocks = PromptBlocks(tokens, state.config.cache_aware.max_blocks)
+        tokens = blocks.tokens
         return JSONResponse(
             {
                 "model": model,

@@ -83,6 +83,8 @@ Tokens: TypeAlias = "array[int]"
 
 # What one cached segment costs besides its text and its tokens (key, entry, dict slot).
 _ENTRY_OVERHEAD = 200
+# What one block size's hashes cost in an entry besides their 8 bytes each.
+_HASHES_OVERHEAD = 150
 
 
 def boundary_tokens(tokenizer: Any, among: AbstractSet[str] | None = None) -> list[str]:
@@ -161,12 +163,21 @@ def cut_segments(text: str, pattern: re.Pattern[str] | None) -> list[str]:
 
 
 class _Entry:
-    __slots__ = ("node", "size", "tokens")
+    __slots__ = ("hashes", "key", "node", "size", "tokens")
 
-    def __init__(self, node: int, tokens: array[int], size: int) -> None:
+    def __init__(self, key: tuple[int, str], node: int, tokens: array[int], size: int) -> None:
+        self.key = key
         self.node = node
         self.tokens = tokens
         self.size = size
+        # Per block size, the token_blocks hashes of the prompt's blocks that end within
+        # this segment (see PromptBlocks): a prefix's blocks are hashed once.
+        self.hashes: dict[int, array[int]] | None = None
+
+
+# One prompt's way through the cache: per segment, its entry (None: not kept) and the
+# prompt's token count at its end.
+Path_: TypeAlias = "list[tuple[_Entry | None, int]]"
 
 
 class TokenCache:
@@ -192,7 +203,11 @@ class TokenCache:
     def walk(self, parent: int, segments: Sequence[str]) -> tuple[list[array[int]], int]:
         """The cached tokens of the leading ``segments`` under ``parent`` (up to the first
         not cached) and the last one's node (``parent`` when none is)."""
-        found: list[array[int]] = []
+        found, parent = self._walk(parent, segments)
+        return [e.tokens for e in found], parent
+
+    def _walk(self, parent: int, segments: Sequence[str]) -> tuple[list[_Entry], int]:
+        found: list[_Entry] = []
         keys = []
         entries = self._entries
         for segment in segments:
@@ -201,7 +216,7 @@ class TokenCache:
             if entry is None:
                 break
             keys.append(key)
-            found.append(entry.tokens)
+            found.append(entry)
             parent = entry.node
         # Most recent last, the root's side after the leaves': eviction takes a
         # conversation's tail before the head its other branches share.
@@ -211,21 +226,43 @@ class TokenCache:
 
     def put(self, parent: int, segment: str, ids: array[int]) -> int:
         """Caches ``segment``'s tokens under ``parent`` (kept as given); its node."""
+        entry = self._put(parent, segment, ids)
+        return self.root() if entry is None else entry.node
+
+    def _put(self, parent: int, segment: str, ids: array[int]) -> _Entry | None:
         key = (parent, segment)
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
-            return entry.node
+            return entry
         size = sys.getsizeof(segment) + ids.itemsize * len(ids) + _ENTRY_OVERHEAD
         if size > self.max_bytes:
-            # Too big to keep: a node of its own that nothing finds again.
-            return self.root()
-        entry = self._entries[key] = _Entry(self.root(), ids, size)
+            # Too big to keep: nothing finds it again.
+            return None
+        entry = self._entries[key] = _Entry(key, self.root(), ids, size)
         self.bytes += size
+        self._evict()
+        return entry
+
+    def _evict(self) -> None:
         while self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.size
-        return entry.node
+
+    def keep_hashes(self, entry: _Entry, block_size: int, hashes: array[int]) -> None:
+        """Keeps ``hashes`` (of the blocks ending within ``entry``'s segment) with it,
+        counted in its bytes; nothing when it was evicted meanwhile."""
+        if self._entries.get(entry.key) is not entry:
+            return
+        if entry.hashes is None:
+            entry.hashes = {}
+        if block_size in entry.hashes:
+            return
+        entry.hashes[block_size] = hashes
+        extra = hashes.itemsize * len(hashes) + _HASHES_OVERHEAD
+        entry.size += extra
+        self.bytes += extra
+        self._evict()
 
 
 class PromptTokenizer:
@@ -270,16 +307,18 @@ class PromptTokenizer:
         """``text`` cut just before each boundary token (the pieces the cache keeps)."""
         return cut_segments(text, self._cut)
 
-    def _tokens(self, root: int, segments: list[str], add_special_tokens: bool) -> Tokens:
-        found, parent = self._cache.walk(root, segments)
+    def _tokens(
+        self, root: int, segments: list[str], add_special_tokens: bool
+    ) -> tuple[Tokens, Path_]:
+        found, parent = self._cache._walk(root, segments)
         missing = segments[len(found) :]
         encoded = self._encode_batch(missing, add_special_tokens) if missing else []
         return self._join(found, parent, missing, encoded)
 
     async def _tokens_off_loop(
         self, root: int, segments: list[str], add_special_tokens: bool
-    ) -> Tokens:
-        found, parent = self._cache.walk(root, segments)
+    ) -> tuple[Tokens, Path_]:
+        found, parent = self._cache._walk(root, segments)
         missing = segments[len(found) :]
         if sum(map(len, missing)) < self._off_loop_chars:
             encoded = self._encode_batch(missing, add_special_tokens) if missing else []
@@ -292,25 +331,34 @@ class PromptTokenizer:
 
     def _join(
         self,
-        found: list[array[int]],
+        found: list[_Entry],
         parent: int,
         missing: list[str],
         encoded: list[list[int]],
-    ) -> Tokens:
+    ) -> tuple[Tokens, Path_]:
         cache = self._cache
         # An array, never a list: copying the cached arrays is a memcpy, where a list
         # would make an int object of every token (most of this path's cost).
         out: Tokens = array("I")
+        path: Path_ = []
         for held in found:
-            out.extend(held)
+            out.extend(held.tokens)
+            path.append((held, len(out)))
         cached = len(out)
+        kept = True
         for segment, ids in zip(missing, encoded, strict=True):
             tokens = array("I", ids)
-            parent = cache.put(parent, segment, tokens)
             out.extend(tokens)
+            # Below a segment not kept, nothing is found again: keep none.
+            entry = cache._put(parent, segment, tokens) if kept else None
+            if entry is None:
+                kept = False
+            else:
+                parent = entry.node
+            path.append((entry, len(out)))
         if cache.on_use is not None:
             cache.on_use(cached, len(out) - cached)
-        return out
+        return out, path
 
     @property
     def has_chat_template(self) -> bool:
@@ -321,14 +369,32 @@ class PromptTokenizer:
         text = self.render(messages)
         if text is None:
             return None
-        return self._tokens(self._chat_root, self.segments(text), False)
+        return self._tokens(self._chat_root, self.segments(text), False)[0]
+
+    async def chat_blocks(self, messages: object, max_blocks: int) -> PromptBlocks | None:
+        """:meth:`chat_async`'s tokens (None: not known here, or none) with their block
+        hashes, those of its cached prefix taken from the cache."""
+        text = self.render(messages)
+        if text is None:
+            return None
+        tokens, path = await self._tokens_off_loop(self._chat_root, self.segments(text), False)
+        return PromptBlocks(tokens, max_blocks, path, self._cache) if tokens else None
+
+    async def completion_blocks(self, prompt: object, max_blocks: int) -> PromptBlocks | None:
+        """:meth:`completion_async`'s tokens (None: not known here, or none) with their
+        block hashes, kept in the cache for the same prompt again."""
+        if isinstance(prompt, str):
+            tokens, path = await self._tokens_off_loop(self._completion_root, [prompt], True)
+            return PromptBlocks(tokens, max_blocks, path, self._cache) if tokens else None
+        ids = _token_list(prompt)
+        return PromptBlocks(ids, max_blocks) if ids else None
 
     async def chat_async(self, messages: object) -> Tokens | None:
         """:meth:`chat`, with a long encoding on a worker thread (off the event loop)."""
         text = self.render(messages)
         if text is None:
             return None
-        return await self._tokens_off_loop(self._chat_root, self.segments(text), False)
+        return (await self._tokens_off_loop(self._chat_root, self.segments(text), False))[0]
 
     def render(self, messages: object) -> str | None:
         """``messages`` rendered by the chat template as vLLM does; None when not known."""
@@ -339,13 +405,13 @@ class PromptTokenizer:
         if isinstance(prompt, str):
             # With the tokenizer's specials (a BOS, perhaps an EOS) the text is not cut:
             # only the same prompt again is found.
-            return self._tokens(self._completion_root, [prompt], True)
+            return self._tokens(self._completion_root, [prompt], True)[0]
         return _token_list(prompt)
 
     async def completion_async(self, prompt: object) -> Tokens | None:
         """:meth:`completion`, with a long encoding on a worker thread."""
         if isinstance(prompt, str):
-            return await self._tokens_off_loop(self._completion_root, [prompt], True)
+            return (await self._tokens_off_loop(self._completion_root, [prompt], True))[0]
         return _token_list(prompt)
 
 
@@ -355,22 +421,62 @@ def _token_list(prompt: object) -> Tokens | None:
 
 
 class PromptBlocks:
-    """One request's prompt tokens and their token_blocks hashes, per block size, once."""
+    """One request's prompt tokens and their token_blocks hashes, per block size, once.
 
-    __slots__ = ("_by_size", "max_blocks", "tokens")
+    With the prompt's ``path`` through a :class:`TokenCache` (its segments' entries), the
+    hashes of the blocks ending within a cached segment come from that entry, where an
+    earlier prompt with the same prefix left them: a conversation's next turn hashes only
+    its new blocks (the chain's hash of block ``i`` depends on blocks ``0..i`` alone, which
+    a shared prefix fixes). The hashes are those of :func:`token_block_hashes` either way."""
 
-    def __init__(self, tokens: Sequence[int], max_blocks: int) -> None:
+    __slots__ = ("_by_size", "_cache", "_path", "max_blocks", "tokens")
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        max_blocks: int,
+        path: Path_ | None = None,
+        cache: TokenCache | None = None,
+    ) -> None:
         self.tokens = tokens
         self.max_blocks = max_blocks
+        self._path = path if cache is not None else None
+        self._cache = cache
         self._by_size: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> list[int]:
         out = self._by_size.get(block_size)
         if out is None:
-            out = self._by_size[block_size] = token_block_hashes(
-                self.tokens, block_size, max_blocks=self.max_blocks
-            )
+            if self._path and self._cache is not None and block_size > 0:
+                out = self._chained(block_size, self._path, self._cache)
+            else:
+                out = token_block_hashes(self.tokens, block_size, max_blocks=self.max_blocks)
+            self._by_size[block_size] = out
         return out
+
+    def _chained(self, size: int, path: Path_, cache: TokenCache) -> list[int]:
+        tokens = self.tokens
+        limit = self.max_blocks
+        out: array[int] = array("Q")
+        parent = 0
+        for entry, end in path:
+            if len(out) >= limit:
+                break
+            # The blocks ending within this segment: from len(out) to end // size.
+            stop = end // size
+            held = entry.hashes.get(size) if entry is not None and entry.hashes else None
+            if held is not None:
+                out.extend(held)
+            else:
+                first = len(out)
+                for i in range(first, min(stop, limit)):
+                    parent = block_hash(parent, tokens[i * size : (i + 1) * size])
+                    out.append(parent)
+                if entry is not None and stop <= limit:
+                    cache.keep_hashes(entry, size, out[first:])
+            if out:
+                parent = out[-1]
+        return out[:limit].tolist()
 
     def prefix(self, block_tokens: int) -> tuple[int, ...]:
         """The balancer's prefix blocks from the tokens rather than the request's bytes:

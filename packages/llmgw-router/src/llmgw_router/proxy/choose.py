@@ -112,15 +112,17 @@ class Chooser:
         tokenized before come from the cache; a long new part is encoded off the loop."""
         try:
             if head.messages:
-                tokens = await tokenizer.chat_async(msgspec.json.decode(head.messages))
+                messages = msgspec.json.decode(head.messages)
+                blocks = await tokenizer.chat_blocks(messages, self._max_blocks)
             else:
-                tokens = await tokenizer.completion_async(msgspec.json.decode(head.prompt))
+                prompt = msgspec.json.decode(head.prompt)
+                blocks = await tokenizer.completion_blocks(prompt, self._max_blocks)
         except (msgspec.DecodeError, RecursionError):
             return None
-        if not tokens:
+        if blocks is None:
             return None
         self.state.metrics.prompts_tokenized.inc()
-        return PromptBlocks(tokens, self._max_blocks)
+        return blocks
 
     def pick(self, ctx: RequestContext) -> Endpoint | None:
         """The balancer's choice for the next attempt; None when no candidate is usable."""
