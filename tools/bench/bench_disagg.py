@@ -48,7 +48,9 @@ PREFILL_RATE = 20000.0  # the simulator's default, tokens/s
 
 
 @contextlib.contextmanager
-def engines(n: int, scale: float, transfer: float, logs: Path) -> Iterator[list[str]]:
+def engines(
+    n: int, scale: float, transfer: float, logs: Path, budget: int = 8192
+) -> Iterator[list[str]]:
     with contextlib.ExitStack() as stack:
         urls = []
         for i in range(n):
@@ -61,6 +63,7 @@ def engines(n: int, scale: float, transfer: float, logs: Path) -> Iterator[list[
                     "--sim-step-time", f"{0.008 * scale:g}",
                     "--sim-decode-seq-time", f"{0.0001 * scale:g}",
                     "--sim-kv-transfer-per-token", f"{transfer:g}",
+                    "--max-num-batched-tokens", str(budget),
                     "--sim-name", f"e{i}"]  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             stack.enter_context(
@@ -78,7 +81,7 @@ def engines(n: int, scale: float, transfer: float, logs: Path) -> Iterator[list[
 
 
 @contextlib.contextmanager
-def router(urls: list[str], disagg: bool, logs: Path) -> Iterator[str]:
+def router(urls: list[str], disagg: bool, logs: Path, min_prompt: int = 0) -> Iterator[str]:
     port, admin = free_port(), free_port()
     entries: list[dict[str, Any]] = []
     for i, url in enumerate(urls):
@@ -94,6 +97,7 @@ def router(urls: list[str], disagg: bool, logs: Path) -> Iterator[str]:
         "balancer": "least_outstanding",
         "deadlines": {"first_byte": "600s", "total": "900s", "idle": "600s"},
         "endpoints": entries,
+        "disagg": {"min_prompt_tokens": min_prompt},
     }
     path = logs / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -180,11 +184,27 @@ def summarise(results: list[dict[str, Any]], warmup: float) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=40.0)
-    parser.add_argument("--load", type=float, default=0.75)
+    parser.add_argument(
+        "--load",
+        type=float,
+        nargs="+",
+        default=[0.75],
+        help="share(s) of the 2P+2D fleet's capacity, one run pair each",
+    )
+    parser.add_argument("--budget", type=int, default=8192,
+                        help="--max-num-batched-tokens of every engine (vLLM: 8192 on an H100 "
+                        "serving, 2048 on a smaller GPU)")  # fmt: skip
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--transfer-per-token", type=float, default=0.000005)
     parser.add_argument("--long-prompt", type=int, default=8192)
     parser.add_argument("--long-out", type=int, default=256)
+    parser.add_argument(
+        "--min-prompt-tokens",
+        type=int,
+        default=0,
+        help="the router's disagg.min_prompt_tokens (estimated: body bytes / 4): shorter "
+        "prompts go to a decode engine alone",
+    )
     parser.add_argument("--warmup", type=float, default=0.2)
     parser.add_argument("--mixes", nargs="+", default=["long", "short"], choices=["long", "short"])
     parser.add_argument("--json", action="store_true")
@@ -199,16 +219,18 @@ def main() -> int:
             # Two prefill engines' capacity (the disaggregated fleet's bottleneck when
             # prefill-heavy); for short prompts the decode side bounds it sooner.
             decode_s = o * 0.008 * args.time_scale / 16  # ~16 streams batched per engine
-            rate = args.load * 2 / max(prefill_s, decode_s)
-            for disagg in (False, True):
-                with engines(4, args.time_scale, args.transfer_per_token, logs) as urls, \
-                        router(urls, disagg, logs) as url:  # fmt: skip
+            for load, disagg in itertools.product(args.load, (False, True)):
+                rate = load * 2 / max(prefill_s, decode_s)
+                with engines(4, args.time_scale, args.transfer_per_token, logs,
+                             args.budget) as urls, \
+                        router(urls, disagg, logs, args.min_prompt_tokens) as url:  # fmt: skip
                     results, _, _ = asyncio.run(drive(url, rate, args.seconds, (p, o), 1))
                 row = {"mix": mix, "fleet": "2P+2D" if disagg else "4 aggregated",
-                       "rate": rate, **summarise(results, args.warmup)}  # fmt: skip
+                       "rate": rate, "load": load, "budget": args.budget,
+                       "min_prompt_tokens": args.min_prompt_tokens, **summarise(results, args.warmup)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row) if args.json else
-                      f"{mix:5} {row['fleet']:13} rate {rate:5.2f}/s  ok {row['ok']}/{row['requests']}"
+                      f"{mix:5} budget {args.budget} load {load:.2f} {row['fleet']:13} rate {rate:5.2f}/s  ok {row['ok']}/{row['requests']}"
                       f"  ITL p90 {row['itl_p90_ms']:6.1f} p99 {row['itl_p99_ms']:6.1f} max {row['itl_max_ms']:6.0f} ms  TTFT p90 {row['ttft_p90_s']:6.2f} s"
                       f"  {row['req_s']:5.2f} req/s  {row['tok_s']:7.1f} tok/s", flush=True)  # fmt: skip
     return 0
