@@ -143,8 +143,19 @@ class ProxyApp:
         api_key: ApiKey | None,
         method: str = "POST",
     ) -> RequestContext:
-        """parse → route → the balancer's keys: the request's context, or an ApiError.
+        """parse → route → the balancer's keys: the request's context, or an ApiError
+        (for a limited key, with its x-ratelimit-* headers).
         Only a held request or a prompt to tokenize waits here."""
+        try:
+            return await self._context(path, headers, body, api_key, method)
+        except ApiError as err:
+            if api_key is not None:
+                self.tenancy.error_headers(err, api_key)
+            raise
+
+    async def _context(
+        self, path: str, headers: Headers, body: bytes, api_key: ApiKey | None, method: str
+    ) -> RequestContext:
         started = now()
         prepared = None
         if path in PROXIED_PATHS:
@@ -192,6 +203,9 @@ class ProxyApp:
             await self._exchange.serve(ctx, reply)
         except ApiError as err:
             ctx.status = ctx.status or err.status
+            if ticket is not None and ticket.state is not None:
+                # The router's own 502/503/504: a limited key's headers too.
+                err.headers = [*err.headers, *self.tenancy.headers(ticket)]
             raise
         except asyncio.CancelledError:
             if not reply.gone or reply.task is None:

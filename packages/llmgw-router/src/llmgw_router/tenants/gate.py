@@ -306,6 +306,16 @@ class Tenancy:
         """The x-ratelimit-* headers for an admitted request's response."""
         return ticket.state.headers(now()) if ticket.state is not None else []
 
+    def error_headers(self, err: ApiError, key: ApiKey | None) -> None:
+        """A limited key's x-ratelimit-* headers added to an error answer (unless it
+        has them: an admission refusal)."""
+        if key is None or not key.limits.limited:
+            return
+        if any(name.startswith(b"x-ratelimit-") for name, _ in err.headers):
+            return
+        at = now()
+        err.headers = [*err.headers, *self._state_for(key, at).headers(at)]
+
     def done(
         self,
         ticket: Ticket,
