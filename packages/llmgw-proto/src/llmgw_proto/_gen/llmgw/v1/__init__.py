@@ -605,6 +605,12 @@ class EndpointLoad(betterproto2.Message):
     The engine's KV cache in tokens, as it reports it; 0 when not known.
     """
 
+    prefill_tokens_per_second: "float" = betterproto2.field(20, betterproto2.TYPE_DOUBLE)
+    """
+    The engine's prefill rate in prompt tokens per second, as its agent learned it from
+    the engine's metrics (EngineLoad.prefill_tokens_per_second); 0 when not known.
+    """
+
     adapters: "list[str]" = betterproto2.field(60, betterproto2.TYPE_STRING, repeated=True)
     """
     The LoRA adapters the engine holds now, by name.
@@ -722,6 +728,13 @@ class EngineLoad(betterproto2.Message):
     """
     The engine's KV cache in tokens (vLLM: cache_config_info num_gpu_blocks x block_size;
     SGLang: max_total_num_tokens); 0 when it does not say.
+    """
+
+    prefill_tokens_per_second: "float" = betterproto2.field(20, betterproto2.TYPE_DOUBLE)
+    """
+    The engine's prefill rate in prompt tokens per second, learned by the agent from the
+    engine's own metrics (prompt tokens it computed over the seconds its requests spent
+    in prefill; llmgw_agent.prefill); 0 when not known yet.
     """
 
     adapters: "list[str]" = betterproto2.field(60, betterproto2.TYPE_STRING, repeated=True)
