@@ -103,6 +103,8 @@ def test_a_request_is_one_trace_under_the_clients_parent(fleet: Fleet) -> None:
     assert attempt.parent_id == request.span_id
     assert first.parent_id == attempt.span_id
     assert request.attributes["llmgw.key"] == "alice"
+    admission = _trace_of(fleet.otlp, trace_id, {"llmgw.admission"})["llmgw.admission"]
+    assert admission.attributes["llmgw.key"] == "alice"
     assert request.attributes["llmgw.model"] == "m1"
     assert request.attributes["llmgw.balancer"] == "least_outstanding"
     assert request.attributes["llmgw.pick_reason"]

@@ -5,6 +5,8 @@ sockets, the simulated engine."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +55,20 @@ def test_an_engine_out_of_reach_and_an_unknown_model(spawn_router: Spawn) -> Non
         r = http.post(url, json=CHAT, headers={"authorization": "Bearer sk-open"})
         assert r.status_code in (502, 503, 504)
         assert "x-ratelimit-limit-requests" not in r.headers
+    # The key's name (never its secret) on the request's log lines.
+    failed = _log_lines(router, "upstream attempt failed")
+    assert {line.get("key") for line in failed} == {"team-a", "team-b"}
+    assert "sk-limited" not in router.proc.log_path.read_text()
+
+
+def _log_lines(router: Any, event: str) -> list[dict[str, Any]]:
+    out = []
+    for raw in router.proc.log_path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            line = json.loads(raw)
+            if isinstance(line, dict) and line.get("event") == event:
+                out.append(line)
+    return out
 
 
 def test_a_request_held_past_its_deadline(spawn_upstream: Spawn, spawn_router: Spawn) -> None:

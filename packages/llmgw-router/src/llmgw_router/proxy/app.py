@@ -27,8 +27,10 @@ request, which closes the upstream connection and so ends the engine's work at o
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import structlog
+from structlog.contextvars import bind_contextvars
 
 from llmgw_router import tracing
 from llmgw_router.config import ApiKey
@@ -146,6 +148,9 @@ class ProxyApp:
         """parse → route → the balancer's keys: the request's context, or an ApiError
         (for a limited key, with its x-ratelimit-* headers).
         Only a held request or a prompt to tokenize waits here."""
+        if api_key is not None:
+            # The key's name on every log line of this request (its own task) from here.
+            bind_contextvars(key=api_key.name)
         try:
             return await self._context(path, headers, body, api_key, method)
         except ApiError as err:
@@ -183,7 +188,8 @@ class ProxyApp:
             # Last, so that nothing between here and exchange() can fail: its finally
             # gives the ticket back.
             if self._traced:
-                with tracing.span("llmgw.admission"):
+                attrs: dict[str, Any] = {"llmgw.key": api_key and api_key.name}
+                with tracing.span("llmgw.admission", **attrs):
                     ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
             else:
                 ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
