@@ -60,6 +60,10 @@ class EngineConfig:
     request_id_headers: bool = False
     # LoRA adapters served next to the base model: name -> path.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # SGLang --disaggregation-mode (null, prefill, decode) and a prefill engine's
+    # --disaggregation-bootstrap-port (llmgw_sim.bootstrap).
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998
     lora_enabled: bool = False
     max_loras: int = 1
     # vLLM serves /v1/(un)load_lora_adapter only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set.
@@ -263,6 +267,8 @@ def from_args(
             max_loras=ns.max_loras_per_batch,
             # SGLang serves /load_lora_adapter whenever LoRA is on.
             runtime_lora_updating=lora,
+            disaggregation_mode=ns.disaggregation_mode,
+            bootstrap_port=ns.disaggregation_bootstrap_port,
             non_default_args=non_default,
             knobs=knobs,
         )

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from llmgw_proto.prompts import PromptEncoder, TokenizerError
 
-from llmgw_sim import kvevents, metrics
+from llmgw_sim import bootstrap, kvevents, metrics
 from llmgw_sim.config import EngineConfig, StartupError
 from llmgw_sim.driver import StepDriver
 from llmgw_sim.httpserver import Request, Response
@@ -142,6 +142,10 @@ class Engine:
         # Disaggregated prefill (llmgw_sim.kvtransfer): transfers issued as a prefill
         # engine, received as a decode engine, and refused (not issued by a prefill engine).
         self.kv_counts: dict[str, int] = {"kv_issued": 0, "kv_received": 0, "kv_refused": 0}
+        # SGLang's disaggregation (llmgw_sim.bootstrap): a prefill engine's rooms and
+        # its bootstrap server.
+        self.rooms = bootstrap.Rooms()
+        self.bootstrap_server: asyncio.Server | None = None
         self._auth = {f"Bearer {k}" for k in config.api_keys}
         self.vocab = Vocabulary()
 

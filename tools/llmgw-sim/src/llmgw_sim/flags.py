@@ -210,6 +210,8 @@ TYPED: dict[EngineKind, tuple[Typed, ...]] = {
         _t("--max-loras-per-batch", INT, 8),
         _t("--max-lora-rank", INT),
         _t("--lora-target-modules", _all),
+        _t("--disaggregation-mode", STR, "null"),
+        _t("--disaggregation-bootstrap-port", INT, 8998),
     ),
     "llama-server": (
         _t("--model", STR),

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from llmgw_sim import kvtransfer
+from llmgw_sim import bootstrap, kvtransfer
 from llmgw_sim.driver import Waiter
 from llmgw_sim.handlers import Handlers
 from llmgw_sim.httpserver import Request, Response, Stream
@@ -59,12 +59,59 @@ class GenerationRoutes(Handlers):
     async def _generate(
         self, request: Request, parse: Callable[[dict[str, Any]], Generation]
     ) -> Response | Stream:
+        """One generation; an SGLang prefill engine's room (llmgw_sim.bootstrap) is done
+        when it answered 200 (its prefill computed), failed otherwise."""
+        announced: list[int] = []
+        ok = False
+        try:
+            resp = await self._generate_one(request, parse, announced)
+            ok = isinstance(resp, Stream) or resp.status == 200  # a stream: prefill done
+            return resp
+        finally:
+            for room in announced:
+                self.engine.rooms.finish(room, ok)
+
+    async def _sglang_rooms(
+        self, room: tuple[str, int, int] | str | None, prompt_len: int, announced: list[int]
+    ) -> Response | float | None:
+        """SGLang's disaggregation: a prefill engine announces the room; a decode engine
+        waits for it (the transfer's seconds), or refuses the request (a Response)."""
+        eng = self.engine
+        mode = eng.config.disaggregation_mode
+        if isinstance(room, str):
+            return eng.error(400, room)
+        if mode == "prefill" and room is not None:
+            eng.rooms.announce(room[2], prompt_len)
+            announced.append(room[2])
+        elif mode == "decode":
+            if room is None:
+                return eng.error(
+                    400,
+                    "this engine runs --disaggregation-mode decode: a request needs "
+                    "bootstrap_host, bootstrap_port and bootstrap_room",
+                )
+            why = await bootstrap.await_room(*room, prompt_len, eng.knobs.bootstrap_timeout)
+            if why is not None:
+                eng.kv_counts["kv_refused"] += 1
+                return eng.error(500, why)
+            eng.kv_counts["kv_received"] += 1
+            return eng.knobs.kv_transfer_per_token * prompt_len
+        return None
+
+    async def _generate_one(
+        self,
+        request: Request,
+        parse: Callable[[dict[str, Any]], Generation],
+        announced: list[int],
+    ) -> Response | Stream:
         eng = self.engine
         arrival = time.monotonic()
         kv_seen: list[Any] = []
+        rooms_seen: list[tuple[str, int, int] | str | None] = []
 
         def parse_kv(body: dict[str, Any]) -> Generation:
             kv_seen.append(body.get("kv_transfer_params"))
+            rooms_seen.append(bootstrap.room_fields(body))
             return parse(body)
 
         gen = self._admit(request, parse_kv)
@@ -87,6 +134,14 @@ class GenerationRoutes(Handlers):
                 return eng.error(400, why)
             eng.kv_counts["kv_received"] += 1
             transfer = eng.knobs.kv_transfer_per_token * prompt_len
+        if eng.config.kind == "sglang" and eng.config.disaggregation_mode != "null":
+            got = await self._sglang_rooms(
+                rooms_seen[0] if rooms_seen else None, prompt_len, announced
+            )
+            if isinstance(got, Response):
+                return got
+            if got is not None:
+                transfer = got
         stall_after = eng.knobs.stall_after_tokens
         stall_raw = request.headers.get(_STALL_KEY)
         if stall_raw is not None:

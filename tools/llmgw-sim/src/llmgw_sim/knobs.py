@@ -62,6 +62,7 @@ class Knobs:
     script_routes: bool = False
     lora_load_time: float = 0.0
     kv_transfer_per_token: float = 0.0
+    bootstrap_timeout: float = 5.0
 
 
 # Knobs that are switches take no value on the command line.
@@ -114,6 +115,8 @@ _HELP: dict[str, str] = {
     "lora_load_time": "seconds a runtime LoRA adapter load takes (load_lora_adapter)",
     "kv_transfer_per_token": "seconds per prompt token a decode engine spends fetching the KV "
     "cache a prefill engine issued (kv_transfer_params; llmgw_sim.kvtransfer)",
+    "bootstrap_timeout": "seconds an SGLang decode engine waits for a prefill engine to "
+    "announce a bootstrap room before refusing it (llmgw_sim.bootstrap)",
     "script_routes": "serve /sim/script (scripted failures, health) and /sim/stats (request "
     "counts) for tests",
 }

@@ -325,6 +325,19 @@ class Lifecycle:
             engine = Engine(cfg, self.crash)
         except StartupError as err:
             return self.fail(err)
+        if cfg.kind == "sglang" and cfg.disaggregation_mode == "prefill":
+            from llmgw_sim.bootstrap import serve_bootstrap
+
+            try:
+                engine.bootstrap_server = await serve_bootstrap(
+                    engine.rooms, cfg.host, cfg.bootstrap_port
+                )
+            except OSError as err:
+                return self.fail(
+                    StartupError(
+                        "OSError", f"bootstrap port {cfg.bootstrap_port}: {err.strerror or err}"
+                    )
+                )
         if cfg.kind != "vllm" and sock is not None:
             # SGLang and llama.cpp answer /health with 503 while loading.
             health_only = cfg.kind == "sglang" and cfg.node_rank > 0
@@ -393,6 +406,9 @@ class Lifecycle:
         if engine.kv_publisher is not None:
             engine.kv_publisher.close()
             engine.kv_publisher = None
+        if engine.bootstrap_server is not None:
+            engine.bootstrap_server.close()
+            engine.bootstrap_server = None
         running = engine.busy
         if self.kind == "llama-server":
             self.log.raw("srv    operator(): operator(): cleaning up before exit...")

@@ -138,7 +138,17 @@ def _host(url: str) -> str:
 class Phases:
     """One request's prefill phases, before each of its decode attempts."""
 
-    __slots__ = ("_pool", "_state", "_tasks", "decode_sent", "prefill", "prefill_id", "seconds")
+    __slots__ = (
+        "_failed",
+        "_pool",
+        "_sglang_failed",
+        "_state",
+        "_tasks",
+        "decode_sent",
+        "prefill",
+        "prefill_id",
+        "seconds",
+    )
 
     def __init__(self, state: RouterState, pool: Pool, prefill: list[Endpoint]) -> None:
         self._state = state
@@ -149,6 +159,10 @@ class Phases:
         # The last pair's prefill endpoint and when its decode request went out.
         self.prefill_id = ""
         self.decode_sent = 0.0
+        # SGLang: prefill endpoints whose prefill failed (the next pair avoids them while
+        # another is left), and whether the current pair's did.
+        self._failed: set[str] = set()
+        self._sglang_failed = ""
 
     def _pick(self, ctx: RequestContext, exclude: set[str]) -> Endpoint | None:
         state = self._state
@@ -180,7 +194,8 @@ class Phases:
         if not isinstance(body, dict):
             return
         metrics = self._state.metrics
-        tried: set[str] = set()
+        tried: set[str] = set(self._failed)
+        self._sglang_failed = ""
         detail = "no prefill endpoint"
         rounds = PREFILL_ROUNDS
         failed = False
@@ -236,6 +251,15 @@ class Phases:
             )
             return
         raise UpstreamFailure("prefill", f"no prefill engine answered: {detail}")
+
+    def blame(self, failure: UpstreamFailure) -> UpstreamFailure:
+        """A decode attempt's failure, as the prefill's when the pair's SGLang prefill failed
+        (the decode engine then has no KV to receive: not its fault)."""
+        if not self._sglang_failed or failure.reason == "prefill":
+            return failure
+        return UpstreamFailure(
+            "prefill", f"{self._sglang_failed}; the decode engine answered: {failure.detail}"
+        )
 
     def done(self, ctx: RequestContext, decode: Endpoint) -> None:
         """The decode attempt at ``decode`` answered: count the pair and its phases."""
@@ -315,6 +339,8 @@ class Phases:
             metrics.child(metrics.disagg_phase, ctx.model, "prefill").observe(now() - started)
         except UpstreamFailure as failure:
             self._state.record_failure(ep, failure.reason)
+            self._failed.add(ep.id)
+            self._sglang_failed = f"the prefill at {ep.id} failed: {failure.detail}"
             log.info("prefill failed", endpoint=ep.id, model=ctx.model, detail=failure.detail)
 
 

@@ -118,6 +118,8 @@ class Exchange:
                 metrics.child(metrics.resumes, ctx.model).inc()
                 continue
             except UpstreamFailure as failure:
+                if phases is not None:
+                    failure = phases.blame(failure)
                 last_failure = failure
                 if failure.reason == "connect":
                     ctx.refused.add(ep.id)
