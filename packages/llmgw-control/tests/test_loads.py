@@ -104,3 +104,17 @@ def test_applied_updates_equal_a_fresh_full_picture(script: list[tuple[Any, ...]
     fresh: dict[str, Any] = {}
     apply(fresh, book.full(book.subscribe("other"), 99.0))
     assert view == fresh
+
+
+def test_an_engines_prefill_rate_goes_to_the_routers_and_status() -> None:
+    # Issue 26.1: the rate the agent learned from the engine's metrics is relayed as is.
+    book = LoadBook()
+    book.set_endpoints({"e0": ("s0", 100)}, 0.0)
+    sub = book.subscribe("r")
+    engine = v1.EngineLoad(shard_id="s0", known=True, prefill_tokens_per_second=1234.5)
+    book.report("n", v1.LoadReport(engines=[engine]), 1.0)
+    update = book.take(sub, 1.0)
+    assert update is not None
+    assert [load.prefill_tokens_per_second for load in update.loads] == [1234.5]
+    assert book.full(sub, 1.0).loads[0].prefill_tokens_per_second == 1234.5
+    assert book.as_json(1.0)["e0"]["prefill_tokens_per_second"] == 1234.5

@@ -51,6 +51,8 @@ class Figures:
     cache_tokens: int = 0
     # The LoRA adapters the engine holds (issue 30).
     adapters: tuple[str, ...] = ()
+    # Its prefill rate in prompt tokens per second, as its agent learned it (0: not yet).
+    prefill_tokens_per_second: float = 0.0
 
     def as_json(self, age: float) -> dict[str, Any]:
         return {
@@ -61,6 +63,7 @@ class Figures:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "cache_tokens": self.cache_tokens,
+            "prefill_tokens_per_second": round(self.prefill_tokens_per_second, 1),
             "adapters": list(self.adapters),
             "age": round(age, 3),
         }
@@ -125,6 +128,7 @@ class LoadBook:
                 now,
                 e.cache_tokens,
                 tuple(sorted(e.adapters)),
+                e.prefill_tokens_per_second,
             )
             self._touch(e.shard_id)
 
@@ -271,6 +275,7 @@ class LoadBook:
             generation=generation,
             age=dt.timedelta(seconds=max(self.age(f, now), 0.0)),
             cache_tokens=f.cache_tokens,
+            prefill_tokens_per_second=f.prefill_tokens_per_second,
             adapters=sorted(set(f.adapters) - self.hidden_adapters(endpoint_id)),
         )
 

@@ -87,6 +87,7 @@ def admin_app(state: RouterState) -> Starlette:
             "prefix_cache_queries": engine.prefix_cache_queries,
             "prefix_cache_hits": engine.prefix_cache_hits,
             "generation": engine.generation,
+            "prefill_tokens_per_second": round(engine.prefill_tokens_per_second, 1),
             "age": round(now - engine.measured_at, 3),
         }
 
@@ -129,12 +130,18 @@ def admin_app(state: RouterState) -> Starlette:
                         # cache_aware's predicted time to first token: the engine's cache
                         # (tokens, as reported or configured; 0 unknown) and in prefix
                         # blocks, this router's live prefix blocks there, its prefill
-                        # queued there (blocks) and the learnt seconds per block.
+                        # queued there (blocks) and the seconds per block it predicts
+                        # with: from the engine's reported prefill rate where there is
+                        # one (block_time_from "engine"), else learnt from this router's
+                        # times to first byte ("router").
                         "cache_tokens": ep.cache_tokens,
                         "cache_blocks": ep.cache_blocks,
                         "live_prefix_blocks": footprint(ep),
                         "pending_prefill_blocks": round(ep.pending_blocks, 1),
-                        "block_time": round(ep.learned_block_time, 6),
+                        "block_time": round(ep.block_time, 6),
+                        "block_time_from": "engine"
+                        if ep.engine is not None and ep.engine.prefill_tokens_per_second > 0
+                        else "router",
                         "consecutive_failures": ep.outlier.consecutive_failures,
                         "ejections": ep.outlier.ejections,
                         "ejected_for": round(max(0.0, ep.outlier.ejected_until - now), 3),

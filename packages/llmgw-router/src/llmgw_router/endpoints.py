@@ -43,6 +43,9 @@ class EngineLoad:
     measured_at: float = 0.0
     # The engine's KV cache, in tokens (vLLM: num_gpu_blocks x block_size); 0: not told.
     cache_tokens: int = 0
+    # The engine's prefill rate, prompt tokens per second, learned by its agent from the
+    # engine's own metrics; 0: not told.
+    prefill_tokens_per_second: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +189,12 @@ class Endpoint:
 
     @property
     def block_time(self) -> float:
+        """Seconds to prefill one prefix block here: from the engine's own prefill rate
+        where its agent reports one, else learned from this router's times to first byte
+        (0: neither yet)."""
+        engine = self.engine
+        if engine is not None and engine.prefill_tokens_per_second > 0:
+            return self.block_tokens / engine.prefill_tokens_per_second
         return self.learned_block_time
 
     # ------------------------------------------------------------- one request's course

@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                     kv_cache_usage=item.get("kv_cache_usage", 0.0),
                     generation=item.get("generation", 0),
                     age=datetime.timedelta(seconds=item.get("age", 0.0)),
+                    prefill_tokens_per_second=item.get("prefill_tokens_per_second", 0.0),
                 )
                 for item in items
             ],

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import math
 import re
 import socket
 import ssl
@@ -143,6 +144,11 @@ def load_from_wire(load: WireLoad, received_at: float) -> EngineLoad | None:
         generation=load.generation,
         measured_at=received_at - max(0.0, age),
         cache_tokens=load.cache_tokens,
+        prefill_tokens_per_second=(
+            rate
+            if math.isfinite(rate := float(load.prefill_tokens_per_second)) and rate > 0
+            else 0.0
+        ),
     )
 
 
