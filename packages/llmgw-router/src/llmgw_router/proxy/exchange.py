@@ -25,6 +25,8 @@ from llmgw_router.proxy import traced
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
 from llmgw_router.proxy.disagg import phases_for
+from llmgw_router.proxy.gather import streamed_request
+from llmgw_router.proxy.gathering import Gathering
 from llmgw_router.proxy.relay import Relay, response_headers
 from llmgw_router.proxy.resumable import ResumableRelay, StreamBroken
 from llmgw_router.proxy.resume import Decision, Splice, continuation, decide, refusal
@@ -71,6 +73,12 @@ class Exchange:
         metrics = state.metrics
         state.budget.on_request(ctx.started)
         last_failure: UpstreamFailure | None = None
+        if self._max_resumes and ctx.wrap is None:
+            # A non-streamed answer that may be resumed: asked of the engine as a stream
+            # and gathered into one JSON answer (proxy/gather.py).
+            streamed = streamed_request(ctx.path, ctx.body)
+            if streamed is not None:
+                ctx.body, send = streamed, Gathering(send, ctx)
         # A stream that may be resumed after its first byte (issue 28): followed as it goes.
         splice = Splice() if self._max_resumes and refusal(ctx.path, ctx.body) is None else None
         original = ctx.body
