@@ -49,12 +49,19 @@ def p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
 
-def roll(cluster: Cluster, at: float, start: float, done: dict[str, float]) -> None:
-    """At ``start + at``: a new revision of the profile (the engines' environment)."""
+def roll(
+    cluster: Cluster, at: float, start: float, done: dict[str, float], scale_down: bool
+) -> None:
+    """At ``start + at``: a new revision of the profile (the engines' environment), or
+    with ``scale_down`` one replica fewer."""
     time.sleep(max(0.0, start + at - time.monotonic()))
     path = cluster.workdir / "control.yaml"
     config = json.loads(path.read_text())
-    config["models"][0]["profiles"]["default"]["env"]["LLMGW_SIM_REVISION"] = "2"
+    profile = config["models"][0]["profiles"]["default"]
+    if scale_down:
+        profile["replicas"] -= 1
+    else:
+        profile["env"]["LLMGW_SIM_REVISION"] = "2"
     path.write_text(json.dumps(config, indent=2))
     assert cluster.control is not None
     done["sent"] = time.monotonic() - start
@@ -85,7 +92,9 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
                 before.extend(engine_samples(u) for u in engines)
 
             side = [
-                threading.Thread(target=roll, args=(cluster, args.rollout_at, start, rolled)),
+                threading.Thread(
+                    target=roll, args=(cluster, args.rollout_at, start, rolled, args.scale_down)
+                ),
                 threading.Thread(target=mark),
             ]
             for t in side:
@@ -133,7 +142,9 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
         "warm_prompt_tokens_router_estimate": warm_tokens,
         "warm_prompt_tokens": round(warm_engine_tokens),
         "prompt_tokens_per_engine_before_rollout": steady_prompt,
-        "warm_share_per_replaced": round(warm_engine_tokens / 4 / steady_prompt, 4)
+        "warm_share_per_replaced": round(
+            warm_engine_tokens / (1 if args.scale_down else 4) / steady_prompt, 4
+        )
         if steady_prompt
         else None,
         "replica_states_at_end": states,
@@ -148,6 +159,11 @@ def main() -> int:
     parser.add_argument("--load", type=float, default=0.6)
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--kv-blocks", type=int, default=1536)
+    parser.add_argument(
+        "--scale-down",
+        action="store_true",
+        help="instead of the rolling update: 4 -> 3 replicas (only a leaving replica, none joins)",
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
