@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_agent.adapters import LLAMACPP, SGLANG, VLLM
-from llmgw_agent.load import LoadReporter, LoadSource, engine_load
+from llmgw_agent.load import (
+    LoadReporter,
+    LoadSource,
+    engine_load,
+    metric_values,
+    prefill_counters,
+)
 from llmgw_agent.prefill import PrefillCounters, PrefillRate
 from llmgw_testkit import free_port, http_get, running, wait_for
 
@@ -150,3 +156,14 @@ def test_the_agent_learns_a_simulated_engines_prefill_rate(tmp_path: Path) -> No
         load = asyncio.run(reporter.read(source))
         # Its prefills slept 2 ms a token and a little more: about 500 tokens/s, never more.
         assert 100 < load.prefill_tokens_per_second <= 500 * 1.01
+
+
+def test_a_real_vllm_scrape_has_the_figures() -> None:
+    # vLLM 0.32.0 on the CPU, after a request (tests-real-vllm/data).
+    data = Path(__file__).parents[3] / "tests-real-vllm" / "data" / "vllm-0.32.0-metrics.txt"
+    text = data.read_text()
+    names = (VLLM.load.prompt_tokens, VLLM.load.prefill_seconds, VLLM.load.prefix_hits)
+    counters = prefill_counters(metric_values(text, names), VLLM.load)
+    assert counters is not None
+    assert counters.prompt_tokens == 22.0
+    assert counters.seconds == pytest.approx(0.6968, abs=1e-3)
