@@ -2,6 +2,7 @@
 rate across routers, and what admission costs.
 
     python tools/bench/bench_tenants.py [--only a,b,c,d] [--seconds 30] [--minutes 3]
+    python tools/bench/bench_tenants.py --only d --callgrind 500
 
 Every phase starts its own processes (the llmgw-sim vLLM engine, llmgw-router; for (c)
 a real llmgw-control and four routers) and stops them. Ratios come from one run.
@@ -16,7 +17,8 @@ a real llmgw-control and four routers) and stops them. Ratios come from one run.
     offered 3R, unevenly across 4 routers (50/30/15/5 %): requests admitted per minute
     over all routers, each minute after the first.
 (d) cost: router CPU per request and p50 latency with admission on (a limited key and
-    the queue gate) against off (a key without limits), a closed loop of short requests.
+    the queue gate) against off (a key without limits), a closed loop of short requests;
+    with --callgrind N, user-space instructions per request instead (deterministic).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
+import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -339,14 +344,7 @@ async def _offer(
 
 
 def phase_d(logs: Path, seconds: float) -> list[str]:
-    off = {"api_keys": [{"key": "sk-x", "name": "plain"}]}
-    on = {
-        "api_keys": [
-            {"key": "sk-x", "name": "limited", "rpm": 10**8, "tpm": 10**10,
-             "max_concurrent": 10**5},
-        ],
-        "tenants": {"queue": {"per_endpoint": 10**5}},
-    }  # fmt: skip
+    off, on = _d_configs()
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     p50: dict[str, list[float]] = {"off": [], "on": []}
     with engine(logs) as url:
@@ -367,6 +365,106 @@ def phase_d(logs: Path, seconds: float) -> list[str]:
         f"    p50 latency             off {statistics.median(p50['off']) * 1000:6.2f} ms  "
         f"on {statistics.median(p50['on']) * 1000:6.2f} ms  = {p50_ratio:.2f}x",
     ]
+
+
+def _d_configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    off = {"api_keys": [{"key": "sk-x", "name": "plain"}]}
+    on = {
+        "api_keys": [
+            {"key": "sk-x", "name": "limited", "rpm": 10**8, "tpm": 10**10,
+             "max_concurrent": 10**5},
+        ],
+        "tenants": {"queue": {"per_endpoint": 10**5}},
+    }  # fmt: skip
+    return off, on
+
+
+def phase_d_callgrind(logs: Path, requests: int) -> list[str]:
+    """(d) in user-space instructions per request (deterministic, unlike CPU seconds on a
+    shared machine): each router under `valgrind --tool=callgrind`, instrumentation on
+    (callgrind_control) for ``requests`` sequential requests on one connection after a
+    warm-up, the process's instructions divided by ``requests``."""
+    if not shutil.which("valgrind"):
+        raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
+    off, on = _d_configs()
+    counts: dict[str, list[float]] = {"off": [], "on": []}
+    with engine(logs) as url:
+        # Alternating: periodic work (timers) counts per second, and a loaded machine
+        # stretches the seconds; the lowest count of each is the least disturbed.
+        for i, (label, extra) in enumerate((("off", off), ("on", on)) * 2):
+            config = {
+                "endpoints": [{"id": "e1", "url": url, "models": [MODEL]}],
+                "workers": 1,
+                "health_checks": {"enabled": False},
+                **extra,
+            }
+            counts[label].append(_callgrind_router(logs, f"{label}{i}", config, requests))
+    off_n, on_n = min(counts["off"]), min(counts["on"])
+    runs = ", ".join(f"{k} {' '.join(f'{v:.0f}' for v in vs)}" for k, vs in counts.items())
+    return [
+        f"(d) cost under callgrind: {requests} sequential requests, one connection, "
+        "off/on alternating x2 (lowest of each)",
+        f"    instructions per request  off {off_n:9.0f}  on {on_n:9.0f}  = {on_n / off_n:.3f}x"
+        f"  (runs: {runs})",
+    ]
+
+
+def _callgrind_router(logs: Path, label: str, config: dict[str, Any], requests: int) -> float:
+    port, admin = free_port(), free_port()
+    config = {**config, "listen": f"127.0.0.1:{port}", "admin_listen": f"127.0.0.1:{admin}"}
+    path = logs / f"router-cg-{label}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = logs / f"callgrind-{label}"
+    argv = [
+        "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
+        str(BIN / "python"), "-m", "llmgw_router", "serve", "--config", str(path),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    ).encode()
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-x"}
+    proc = Proc(argv, log_dir=logs, name=f"router-cg-{label}")
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                answer = conn.getresponse()
+                answer.read()
+                if answer.status == 200:
+                    break
+            except OSError:
+                pass
+            if not proc.alive() or time.monotonic() > deadline:
+                raise SystemExit(f"router under valgrind did not answer: {proc.log_path}")
+            time.sleep(1)
+
+        def one() -> None:
+            conn.request("POST", "/v1/chat/completions", body, headers)
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status != 200:
+                raise SystemExit(f"router under valgrind answered {answer.status}")
+
+        for _ in range(100):
+            one()
+        control = ["callgrind_control"]
+        subprocess.run([*control, "-i", "on", str(proc.pid)], capture_output=True, check=False)
+        for _ in range(requests):
+            one()
+        subprocess.run([*control, "-i", "off", str(proc.pid)], capture_output=True, check=False)
+        subprocess.run([*control, "-d", str(proc.pid)], capture_output=True, check=False)
+        conn.close()
+    finally:
+        proc.stop()
+    total = 0
+    for dump in logs.glob(f"callgrind-{label}.*"):
+        for line in dump.read_text(errors="replace").splitlines():
+            if line.startswith("totals:"):
+                total += int(line.split()[1])
+    return total / requests
 
 
 async def _closed_loop(url: str, pid: int, seconds: float) -> tuple[float, float]:
@@ -398,6 +496,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="per run of (a), (b), (d)")
     parser.add_argument("--minutes", type=int, default=3, help="length of (c)")
     parser.add_argument("--rpm", type=int, default=120, help="(c): the key's limit R")
+    parser.add_argument(
+        "--callgrind",
+        type=int,
+        default=0,
+        help="(d): instructions per request under callgrind, N requests (needs valgrind)",
+    )
     args = parser.parse_args()
     use_uvloop()
     phases = set(args.only.split(","))
@@ -410,7 +514,9 @@ def main() -> None:
             lines += phase_b(logs, args.seconds)
         if "c" in phases:
             lines += phase_c(logs, args.minutes, args.rpm)
-        if "d" in phases:
+        if "d" in phases and args.callgrind:
+            lines += phase_d_callgrind(logs, args.callgrind)
+        elif "d" in phases:
             lines += phase_d(logs, min(args.seconds, 10.0))
         print("\n".join(lines))
 

@@ -554,3 +554,18 @@ def test_full_when_every_engine_reports_requests_waiting() -> None:
     assert tenancy.full(gate, at)
     # Figures older than load_reports.max_age count as unknown.
     assert not tenancy.full(gate, at + 60)
+
+
+@given(per_endpoint=st.integers(0, 100_000), headroom=st.none() | st.integers(0, 100_000))
+def test_headroom_defaults_to_a_quarter_of_the_cap(per_endpoint: int, headroom: int | None) -> None:
+    queue = QueueConfig(per_endpoint=per_endpoint, headroom=headroom)
+    assert queue.room == (per_endpoint // 4 if headroom is None else headroom)
+    assert _tenancy(queue=queue).headroom == queue.room
+
+
+def test_headroom_unset_in_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("tenants: {queue: {per_endpoint: 24}}\n")
+    assert load(path, RouterConfig).tenants.queue.room == 6
+    path.write_text("tenants: {queue: {per_endpoint: 24, headroom: 0}}\n")
+    assert load(path, RouterConfig).tenants.queue.room == 0

@@ -185,14 +185,20 @@ class ProxyApp:
             await self.chooser.read_tokens(ctx, head, tokenizer)
         tenancy = self.tenancy
         if api_key is not None or tenancy.queue_on:
+            # The body's own head (a route of routes.py sends another body).
+            parsed = head if prepared is None else None
             # Last, so that nothing between here and exchange() can fail: its finally
             # gives the ticket back.
             if self._traced:
                 attrs: dict[str, Any] = {"llmgw.key": api_key and api_key.name}
                 with tracing.span("llmgw.admission", **attrs):
-                    ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
+                    ctx.tenant = await tenancy.admit(
+                        api_key, model, ctx.candidates, body, parsed, ctx.tokens
+                    )
             else:
-                ctx.tenant = await tenancy.admit(api_key, model, ctx.candidates, body)
+                ctx.tenant = await tenancy.admit(
+                    api_key, model, ctx.candidates, body, parsed, ctx.tokens
+                )
         if self._traced:
             traced.on_context(api_key, ctx, self.state.config.balancer)
         return ctx

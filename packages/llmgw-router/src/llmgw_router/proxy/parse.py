@@ -1,11 +1,14 @@
 """Stage 2, parse: the few fields the router reads from a request body.
 
-Only `model`, `stream` and `user` are decoded, and for the cache-aware balancer the
+Only `model`, `stream`, `user` and the completion's bounds (`max_tokens`,
+`max_completion_tokens`) are decoded, and for the cache-aware balancer the
 raw JSON text of `messages` or `prompt` (not decoded); the rest of the body passes to
 the engine untouched. A body that does not parse is a 400 naming what is wrong.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -20,6 +23,10 @@ class RequestHead(msgspec.Struct):
     model: str
     stream: bool = False
     user: str | None = None
+    # The completion's bounds, as sent (any JSON value; the engine judges them), for the
+    # tokens admission reserves (tenants/estimate.py): read here so the body is read once.
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
 
 
 class RequestHeadWithPrompt(RequestHead):

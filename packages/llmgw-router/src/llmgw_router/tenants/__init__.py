@@ -4,6 +4,8 @@ share when the engines are full.
 
 - limits.py: the pure state of one key's limits (token buckets, reservations);
 - fair.py: the pure fair-share queue (bands, virtual time by weight);
+- estimate.py: the tokens a request reserves (its prompt's, by the model's tokenizer or
+  bytes / 4, plus the completion's bound);
 - config.py: the `tenants:` section of the router config;
 - gate.py: :class:`~llmgw_router.tenants.gate.Tenancy`, which holds them per key and
   per model and reads the clock;

@@ -13,14 +13,20 @@ __all__ = ["QueueConfig", "TenantsConfig", "check_tenants"]
 class QueueConfig(BaseConfig):
     """When the engines a request could go to are full, it is held here, by priority."""
 
+    @property
+    def room(self) -> int:
+        """The headroom in effect: `headroom`, or a quarter of `per_endpoint` unset."""
+        return self.headroom if self.headroom is not None else self.per_endpoint // 4
+
     # Full: this router process's (worker's) requests in flight for the model reach this
     # many per usable endpoint. 0: no such cap.
     per_endpoint: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # A band above one with requests in flight, and a key with fewer in flight than an
     # equal share of the cap, may go this many requests per usable endpoint past
     # per_endpoint: a request of a higher band, or of a light key, does not wait for a
-    # slot while a lower band or a flooding key keeps the engines full.
-    headroom: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    # slot while a lower band or a flooding key keeps the engines full. Unset: a quarter
+    # of per_endpoint (rounded down); 0: none.
+    headroom: Annotated[int, msgspec.Meta(ge=0, le=100_000)] | None = None
     # Full: every endpoint of the model reports (load reports) at least this many
     # requests waiting in its engine. 0: the engines' queues are not looked at.
     engine_waiting: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0

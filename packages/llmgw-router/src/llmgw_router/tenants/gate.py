@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import structlog
 
 from llmgw_router.config import ApiKey
@@ -27,6 +26,7 @@ from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError
 from llmgw_router.state import RouterState, now
 from llmgw_router.tenants.config import TenantsConfig
+from llmgw_router.tenants.estimate import count_prompt, estimate_tokens
 from llmgw_router.tenants.fair import FairQueue, Held
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation
 from llmgw_router.tenants.metrics import TenantMetrics
@@ -34,30 +34,6 @@ from llmgw_router.tenants.metrics import TenantMetrics
 __all__ = ["Share", "Tenancy", "Ticket", "Usage", "estimate_tokens", "lookup_secret"]
 
 log = structlog.get_logger(__name__)
-
-# Bytes of a request body per prompt token, for the estimate reserved at admission
-# (an over-estimate for English text: a reservation errs on the safe side).
-BYTES_PER_TOKEN = 4
-
-
-class _MaxTokens(msgspec.Struct):
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-
-
-_decode_max = msgspec.json.Decoder(_MaxTokens).decode
-
-
-def estimate_tokens(body: bytes, default_max_tokens: int) -> int:
-    """Prompt tokens (estimated from the body's size) plus the completion's bound."""
-    try:
-        head = _decode_max(body)
-    except msgspec.DecodeError:
-        head = _MaxTokens()
-    completion = head.max_completion_tokens or head.max_tokens
-    if completion is None or completion < 0:
-        completion = default_max_tokens
-    return len(body) // BYTES_PER_TOKEN + completion
 
 
 def lookup_secret(by_prefix: dict[str, ApiKey], token: bytes) -> ApiKey | None:
@@ -168,8 +144,12 @@ class Tenancy:
         self.bands = {name: i for i, name in enumerate(config.bands)}
         self.default_band = self.bands[config.default_priority]
         self.queue_on = bool(config.queue.per_endpoint or config.queue.engine_waiting)
+        self.headroom = config.queue.room
+        # Models whose prompts are counted by their tokenizer (cache_aware.tokenizers).
+        self.tokenizers = frozenset(state.config.cache_aware.tokenizers)
         self.keys: dict[str, KeyState] = {}
         self._periods: dict[str, str] = {}
+        self._parts: dict[str, tuple[KeyLimits, KeyLimits]] = {}
         # Control-plane keys by prefix, and this router's shares of their limits.
         self.by_prefix: dict[str, ApiKey] = {}
         self.keys_version = 0
@@ -204,7 +184,13 @@ class Tenancy:
         """What this router may admit of ``key`` now."""
         limits = key.limits
         if key.local:
-            return limits if self.workers == 1 else limits.scaled(1 / self.workers)
+            if self.workers == 1:
+                return limits
+            # This worker's part, computed once per limits (not per request).
+            memo = self._parts.get(key.name)
+            if memo is None or memo[0] is not limits:
+                memo = self._parts[key.name] = (limits, limits.scaled(1 / self.workers))
+            return memo[1]
         share = self.shares.get(key.name) if at < self.shares_until else None
         if share is None:
             return limits.scaled(self.config.fallback_fraction / self.workers)
@@ -228,7 +214,7 @@ class Tenancy:
                 if not key.local and share is not None
                 else (limits.budget_tokens // self.workers if key.local else 0)
             )
-        elif ks.limits != limits:
+        elif ks.limits is not limits and ks.limits != limits:
             ks.set_limits(limits, at)
         if key.local and limits.budget_tokens:
             period = _period(key.budget_period, time.time())
@@ -240,9 +226,17 @@ class Tenancy:
     # ------------------------------------------------------------------ admission
 
     async def admit(
-        self, key: ApiKey | None, model: str, candidates: tuple[Endpoint, ...], body: bytes
+        self,
+        key: ApiKey | None,
+        model: str,
+        candidates: tuple[Endpoint, ...],
+        body: bytes,
+        head: Any = None,
+        tokens: Any = None,
     ) -> Ticket:
-        """Admit a request, or raise ApiError (429 over a limit, 503 held too long)."""
+        """Admit a request, or raise ApiError (429 over a limit, 503 held too long).
+        ``head``: the parse stage's (its max_tokens fields), None to read them from
+        ``body``; ``tokens``: the prompt's tokens if the balancer counted them."""
         at = now()
         name = key.name if key is not None else ""
         band = self.default_band
@@ -258,13 +252,20 @@ class Tenancy:
             if key.limits.limited:
                 ks = self._state_for(key, at)
                 limits = ks.limits
-                tokens = (
-                    estimate_tokens(body, self.config.default_max_tokens)
-                    if limits.tpm or limits.budget_tokens
-                    else 0
-                )
-                usage.asked_tokens += tokens
-                got = ks.try_reserve(tokens, at)
+                need = 0
+                if limits.tpm or limits.budget_tokens:
+                    prompt: int | None = None
+                    if tokens is not None:
+                        prompt = len(tokens.tokens)
+                    elif model in self.tokenizers:
+                        tokenizer = self.state.tokenizer(model)
+                        if tokenizer is not None:
+                            prompt = await count_prompt(tokenizer, body)
+                    need = estimate_tokens(
+                        body, self.config.default_max_tokens, head=head, prompt_tokens=prompt
+                    )
+                usage.asked_tokens += need
+                got = ks.try_reserve(need, at)
                 if isinstance(got, Refusal):
                     usage.refused += 1
                     self.metrics.child(self.metrics.refused, name, got.limit).inc()
@@ -274,8 +275,12 @@ class Tenancy:
             name, self.config.bands[band], model, ks, reservation, self.queue_on, level=band
         )
         if self.queue_on:
+            gate = self._gate(model, candidates)
             try:
-                await self._through_gate(ticket, band, key, candidates)
+                if len(gate.queue) or self.full(gate, at, band):
+                    await self._through_gate(ticket, band, key, candidates)
+                else:
+                    _go(gate, name, band)  # the engines take it: no wait (the hot path)
             except BaseException:
                 ticket.gated = False
                 self.done(ticket, None, None, 0)
@@ -374,12 +379,15 @@ class Tenancy:
         if not usable:
             return False
         cap = queue.per_endpoint
+        if gate.in_flight < cap and not queue.engine_waiting:
+            return False  # under the cap of one endpoint: under any room (the hot path)
         if cap:
             room = cap * len(usable)
-            if queue.headroom and (
+            headroom = self.headroom
+            if headroom and (
                 any(gate.by_band[band + 1 :]) or (key is not None and _under_share(gate, key, room))
             ):
-                room += queue.headroom * len(usable)
+                room += headroom * len(usable)
             if gate.in_flight >= room:
                 return True
         if queue.engine_waiting:
@@ -404,7 +412,7 @@ class Tenancy:
             if not self.full(gate, at, band):
                 _go(gate, name, band)
                 return
-        elif self.config.queue.headroom:
+        elif self.headroom:
             # Others held: a key below its share may still go into the headroom, unless a
             # higher band is waiting.
             first = queue.next_band()

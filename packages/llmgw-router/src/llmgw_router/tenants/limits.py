@@ -54,20 +54,20 @@ class KeyLimits:
 class Bucket:
     """A token bucket: ``capacity`` at most, refilled at capacity / 60 per second."""
 
-    __slots__ = ("at", "capacity", "level")
+    __slots__ = ("at", "capacity", "level", "limit_text", "rate")
 
     def __init__(self, capacity: float, now: float) -> None:
         self.capacity = capacity
+        self.rate = capacity / 60.0
         self.level = capacity
         self.at = now
-
-    @property
-    def rate(self) -> float:
-        return self.capacity / 60.0
+        # The x-ratelimit-limit-* value, encoded once per limit.
+        self.limit_text = b"%d" % capacity
 
     def refill(self, now: float) -> None:
         if now > self.at:
-            self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+            level = self.level + (now - self.at) * self.rate
+            self.level = level if level < self.capacity else self.capacity
             self.at = now
 
     def resize(self, capacity: float, now: float) -> None:
@@ -75,7 +75,20 @@ class Bucket:
         self.refill(now)
         used = self.capacity - self.level
         self.capacity = capacity
+        self.rate = capacity / 60.0
+        self.limit_text = b"%d" % capacity
         self.level = min(capacity, capacity - used)
+
+    def lines(self, now: float, names: tuple[bytes, bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        """The limit, remaining and reset headers of this bucket (refilled to ``now``)."""
+        self.refill(now)
+        level = self.level
+        missing = self.capacity - level
+        return [
+            (names[0], self.limit_text),
+            (names[1], b"%d" % level if level > 0 else b"0"),
+            (names[2], reset_text(missing / self.rate) if missing > 0 else b"0s"),
+        ]
 
     def wait_for(self, amount: float) -> float:
         """Seconds until ``amount`` is available (after :meth:`refill`); inf if never."""
@@ -162,30 +175,30 @@ class KeyState:
         limits = self.limits
         requests, bucket = self.requests, self.tokens
         if requests is not None:
-            requests.refill(now)
-            wait = requests.wait_for(1.0)
-            if wait > 0:
+            if now > requests.at:
+                requests.refill(now)
+            if requests.level < 1.0:
                 return Refusal(
                     "rpm",
                     f"rate limit of {_fmt(requests.capacity)} requests per minute reached",
-                    wait,
+                    requests.wait_for(1.0),
                 )
         if bucket is not None:
-            bucket.refill(now)
-            if tokens > bucket.capacity:
-                return Refusal(
-                    "too_large",
-                    f"this request needs about {tokens} tokens, more than the limit of "
-                    f"{_fmt(bucket.capacity)} tokens per minute",
-                    60.0,
-                )
-            wait = bucket.wait_for(tokens)
-            if wait > 0:
+            if now > bucket.at:
+                bucket.refill(now)
+            if tokens > bucket.level:
+                if tokens > bucket.capacity:
+                    return Refusal(
+                        "too_large",
+                        f"this request needs about {tokens} tokens, more than the limit of "
+                        f"{_fmt(bucket.capacity)} tokens per minute",
+                        60.0,
+                    )
                 return Refusal(
                     "tpm",
                     f"rate limit of {_fmt(bucket.capacity)} tokens per minute reached "
                     f"(this request needs about {tokens})",
-                    wait,
+                    bucket.wait_for(tokens),
                 )
         if limits.max_concurrent and self.in_flight >= limits.max_concurrent:
             return Refusal(
@@ -231,17 +244,12 @@ class KeyState:
 
     def headers(self, now: float) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-* headers for the limits this key has."""
-        out: list[tuple[bytes, bytes]] = []
-        for names, bucket in ((_REQUESTS, self.requests), (_TOKENS, self.tokens)):
-            if bucket is None:
-                continue
-            bucket.refill(now)
-            level = bucket.level
-            out += (
-                (names[0], b"%d" % bucket.capacity),
-                (names[1], b"%d" % level if level > 0 else b"0"),
-                (names[2], reset_text(bucket.until_full())),
-            )
+        requests, tokens = self.requests, self.tokens
+        if requests is None:
+            return [] if tokens is None else tokens.lines(now, _TOKENS)
+        out = requests.lines(now, _REQUESTS)
+        if tokens is not None:
+            out += tokens.lines(now, _TOKENS)
         return out
 
 
