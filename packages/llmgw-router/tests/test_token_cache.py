@@ -30,6 +30,7 @@ from llmgw_router.tokens import (
     cut_segments,
 )
 from llmgw_testkit.cluster import metric_sum
+from llmgw_testkit.tokenizer import write_word_tokenizer
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 # Characters the texts are made of: markup, whitespace of several kinds, a combining accent
@@ -172,6 +173,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gemma-metaspace": chat_tokenizer(root / "gm", "metaspace", GEMMA, gemma),
         "chatml-bytelevel": chat_tokenizer(root / "cb", "bytelevel", CHATML, chatml),
         "chatml-words": chat_tokenizer(root / "cw", "words", CHATML, chatml),
+        # The testkit's: a template that builds its markers ("<|" + role + "|>").
+        "built-markers": write_word_tokenizer(root / "bm", ["hello", "there", "a", "b"]),
     }
 
 
@@ -191,7 +194,7 @@ conversations = st.lists(
 )
 @given(
     name=st.sampled_from(
-        ["gemma-bytelevel", "gemma-metaspace", "chatml-bytelevel", "chatml-words"]
+        ["gemma-bytelevel", "gemma-metaspace", "chatml-bytelevel", "chatml-words", "built-markers"]
     ),
     conversation=conversations,
     cache_bytes=st.sampled_from([1500, 64 * 1024 * 1024]),
@@ -420,3 +423,23 @@ def test_a_conversations_next_turn_hashes_only_its_new_blocks(
     # Only the blocks ending after the first turn's last segment kept its hashes (the
     # generation prompt's segment, "<start_of_turn>model\n", is not in the second turn).
     assert 0 < len(hashed) < 20 < len(one.tokens) // 4
+
+
+def test_markers_a_template_builds_are_cut_at_too(folders: dict[str, Path]) -> None:
+    # "<|" + role + "|>": no marker is in the template's source, each is in what it
+    # renders. Before, only <s> and <|assistant|> were cut at, so a tenant's shared system
+    # prompt and each new question were one segment, encoded (and hashed) whole each time.
+    uses: list[tuple[int, int]] = []
+    tok = PromptTokenizer(
+        folders["built-markers"], TokenCache(1 << 20, on_use=lambda c, e: uses.append((c, e)))
+    )
+    assert {"<|system|>", "<|user|>", "<|assistant|>"} <= set(tok.boundaries)
+    system = {"role": "system", "content": "hello there " * 500}
+    for question in ("a b", "b a a"):
+        messages = [system, {"role": "user", "content": question}]
+        tokens = tok.chat(messages)
+        assert list(tokens or []) == tok.full(tok.render(messages) or "")
+    cached, encoded = uses[-1]
+    # The second question: the system prompt's 1,000 tokens from the cache.
+    assert cached >= 1000
+    assert encoded < 10

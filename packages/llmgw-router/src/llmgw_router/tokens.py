@@ -265,6 +265,24 @@ class TokenCache:
         self._evict()
 
 
+# Conversations a chat template is rendered with once, to see which added tokens it
+# writes (a template that refuses one, e.g. for its order of roles, is tried with the next).
+_PROBES: list[list[dict[str, str]]] = [
+    [
+        {"role": "system", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "c"},
+        {"role": "user", "content": "d"},
+    ],
+    [
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "c"},
+        {"role": "user", "content": "d"},
+    ],
+    [{"role": "user", "content": "b"}],
+]
+
+
 class PromptTokenizer:
     """One model's tokenizer and chat template, loaded once at startup."""
 
@@ -285,10 +303,15 @@ class PromptTokenizer:
         self._chat_root = self._cache.root()
         self._completion_root = self._cache.root()
         # Cut only at the tokens the template writes (a model may have thousands of
-        # added tokens; a marker a client writes is still one the tokenizer splits at).
+        # added tokens; a marker a client writes is still one the tokenizer splits at):
+        # those in its source, and those in its renderings of a few conversations (a
+        # template may build a marker, e.g. "<|" + role + "|>").
         source = template if isinstance(template, str) else ""
+        rendered = [text for probe in _PROBES if (text := self.render(probe)) is not None]
         written = {t for t in self._special.values() if t} | {
-            t for t in self._added_contents() if t in source
+            t
+            for t in self._added_contents()
+            if t and (t in source or any(t in text for text in rendered))
         }
         self.boundaries = boundary_tokens(self._tokenizer, written)
         self._cut = boundary_pattern(self.boundaries)
