@@ -8,8 +8,9 @@ the engine for a stream instead (:func:`streamed_request`: ``stream: true``,
 (whose continuation events are already rewritten into one stream: one id and created
 time, usage over the whole answer), and :class:`Answer` gathers those events into the
 one JSON answer the client asked for: ``id``, ``object``, ``created``, ``model``,
-``choices[0]`` (``message`` with ``role`` and ``content``, or ``text``; ``logprobs``,
-``finish_reason`` and the finish chunk's other fields such as vLLM's ``stop_reason``),
+``choices[0]`` (``message`` with ``role`` and ``content``, or ``text``;
+``finish_reason`` and the finish chunk's other fields such as ``logprobs`` and vLLM's
+``stop_reason``),
 the chunks' other top-level fields (``system_fingerprint``: null when no chunk had
 one) and ``usage``. A stream that ends with an error event becomes an error answer in
 OpenAI's shape (502).
@@ -33,7 +34,7 @@ __all__ = ["Answer", "streamed_request"]
 _KEPT_AS_IS = ("stream_options", "tools", "functions")
 # Per-chunk fields that say nothing about the answer as a whole.
 _CHUNK_ONLY = frozenset({"id", "object", "created", "model", "choices", "usage", "error"})
-_CHOICE_OWN = frozenset({"index", "delta", "text", "logprobs", "finish_reason"})
+_CHOICE_OWN = frozenset({"index", "delta", "text", "finish_reason"})
 # Reasoning deltas, gathered into the message under the engine's own name.
 _REASONING = ("reasoning_content", "reasoning")
 
@@ -206,7 +207,10 @@ class Answer:
             first["message"] = message
         else:
             first["text"] = text
-        first["logprobs"] = None
+        # `logprobs` (null: a request with logprobs is not gathered) and the end chunk's
+        # other fields, where the engine's chunks carry them (llama-server's chat
+        # chunks, like its own answer, have none).
+        first.update({k: v for k, v in self.choice.items() if k == "logprobs"})
         first["finish_reason"] = self.finish_reason
         first.update(self.choice)
         top = dict(self.top)
