@@ -189,8 +189,8 @@ async def _mix(url: str, flows: list[tuple[str, float]], seconds: float) -> list
     return out
 
 
-def phase_a(logs: Path, seconds: float) -> list[str]:
-    b_rate = CAPACITY * 1.37 / 11
+def phase_a(logs: Path, seconds: float, load: float = 1.0) -> list[str]:
+    b_rate = CAPACITY * 1.37 * load / 11
     a_rate = 10 * b_rate
     keys = [
         {"key": "sk-a", "name": "tenant-a"},
@@ -209,7 +209,8 @@ def phase_a(logs: Path, seconds: float) -> list[str]:
         _, roomy = asyncio.run(_mix(r, [("sk-a", a_rate), ("sk-b", b_rate)], seconds))
     base = pct(alone, 0.9)
     return [
-        f"(a) fairness: A {a_rate:.1f}/s + B {b_rate:.2f}/s = 137 % of {CAPACITY:.0f}/s, "
+        f"(a) fairness: A {a_rate:.1f}/s + B {b_rate:.2f}/s = {137 * load:.0f} % of "
+        f"{CAPACITY:.0f}/s, "
         f"{seconds:g} s each",
         f"    B alone         TTFT p90 {base * 1000:7.0f} ms  (n={len(alone)})",
         f"    B fair share    TTFT p90 {pct(fair, 0.9) * 1000:7.0f} ms  "
@@ -221,8 +222,8 @@ def phase_a(logs: Path, seconds: float) -> list[str]:
     ]
 
 
-def phase_b(logs: Path, seconds: float) -> list[str]:
-    interactive, batch = 0.2 * CAPACITY, 2.0 * CAPACITY
+def phase_b(logs: Path, seconds: float, load: float = 1.0) -> list[str]:
+    interactive, batch = 0.2 * CAPACITY, 2.0 * CAPACITY * load
     keys = [
         {"key": "sk-chat", "name": "chat", "priority": "interactive"},
         {"key": "sk-bulk", "name": "bulk", "priority": "batch"},
@@ -239,7 +240,7 @@ def phase_b(logs: Path, seconds: float) -> list[str]:
     base = pct(alone, 0.9)
     return [
         f"(b) priority: interactive {interactive:.1f}/s (20 %) beside batch {batch:.0f}/s "
-        f"(200 %), {seconds:g} s each",
+        f"({200 * load:.0f} %), {seconds:g} s each",
         f"    interactive alone       TTFT p90 {base * 1000:7.0f} ms  (n={len(alone)})",
         f"    beside the batch flood  TTFT p90 {pct(mixed, 0.9) * 1000:7.0f} ms  "
         f"= {pct(mixed, 0.9) / base:.2f}x alone  (n={len(mixed)})",
@@ -497,6 +498,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=int, default=3, help="length of (c)")
     parser.add_argument("--rpm", type=int, default=120, help="(c): the key's limit R")
     parser.add_argument(
+        "--load",
+        type=float,
+        default=1.0,
+        help="(a), (b): offered load times this (1: A+B at 137 %%, the batch flood at 200 %%)",
+    )
+    parser.add_argument(
         "--callgrind",
         type=int,
         default=0,
@@ -509,9 +516,9 @@ def main() -> None:
         logs = Path(tmp)
         lines: list[str] = []
         if "a" in phases:
-            lines += phase_a(logs, args.seconds)
+            lines += phase_a(logs, args.seconds, args.load)
         if "b" in phases:
-            lines += phase_b(logs, args.seconds)
+            lines += phase_b(logs, args.seconds, args.load)
         if "c" in phases:
             lines += phase_c(logs, args.minutes, args.rpm)
         if "d" in phases and args.callgrind:

@@ -374,13 +374,13 @@ class Tenancy:
         with requests in flight, and a key below its equal share of the cap, may go
         `headroom` past it."""
         queue = self.config.queue
+        if gate.in_flight < queue.per_endpoint and not queue.engine_waiting:
+            return False  # under the cap of one endpoint: under any room (the hot path)
         candidates = gate.candidates
         usable = [ep for ep in candidates if ep.usable(at)] or list(candidates)
         if not usable:
             return False
         cap = queue.per_endpoint
-        if gate.in_flight < cap and not queue.engine_waiting:
-            return False  # under the cap of one endpoint: under any room (the hot path)
         if cap:
             room = cap * len(usable)
             headroom = self.headroom

@@ -81,7 +81,8 @@ class Bucket:
 
     def lines(self, now: float, names: tuple[bytes, bytes, bytes]) -> list[tuple[bytes, bytes]]:
         """The limit, remaining and reset headers of this bucket (refilled to ``now``)."""
-        self.refill(now)
+        if now > self.at:
+            self.refill(now)
         level = self.level
         missing = self.capacity - level
         return [
@@ -234,8 +235,10 @@ class KeyState:
         actual = reservation.tokens if used is None else used
         bucket = self.tokens
         if bucket is not None:
-            bucket.refill(now)
-            bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - actual)
+            if now > bucket.at:
+                bucket.refill(now)
+            if actual != reservation.tokens:
+                bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - actual)
         if reservation.budget:
             self.budget_reserved -= reservation.budget
             self.unreported += actual
