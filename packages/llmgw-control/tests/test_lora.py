@@ -64,19 +64,6 @@ def test_adapter_changes_do_not_roll_replicas(tmp_path: Path) -> None:
     assert [a.name for a in two.adapters] == ["sql"]
 
 
-def _flags_accepted(kind: str, args: tuple[str, ...]) -> list[str]:
-    from llmgw_agent.engine_flags import captured
-
-    return list(captured(kind).parse(args).errors)
-
-
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_lora_flags_pass_the_engine_help(tmp_path: Path, engine: str) -> None:
-    """The flags the catalog adds are what the engine's captured help accepts."""
-    p = load_control_config(write(tmp_path, [base(engine, max_loras=4, max_rank=64)])).catalog
-    assert _flags_accepted(engine, p.profiles[0].engine_args) == []
-
-
 @pytest.mark.parametrize(
     ("change", "field", "words"),
     [
