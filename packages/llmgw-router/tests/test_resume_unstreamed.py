@@ -40,7 +40,9 @@ def _generated(up: Upstream) -> float:
 
 
 def _fleet(
-    spawn_upstream: Callable[..., Upstream], spawn_router: Callable[..., Router]
+    spawn_upstream: Callable[..., Upstream],
+    spawn_router: Callable[..., Router],
+    gather: bool = True,
 ) -> tuple[list[Upstream], Router]:
     ups = [spawn_upstream(f"r{i}", ["m1"], "--sim-itl", "0.05") for i in range(2)]
     router = spawn_router(
@@ -48,6 +50,7 @@ def _fleet(
             "endpoints": [up.entry(["m1"]) for up in ups],
             "balancer": "round_robin",
             "health_checks": {"interval": "200ms"},
+            "retries": {"resume_unstreamed": gather},
         }
     )
     wait_for(
@@ -145,3 +148,22 @@ def test_every_replica_killed_answers_an_openai_error(
         == 1
     )
     assert _metric(router, "llmgw_router_requests_total", model="m1", status="502") == 1
+
+
+def test_unstreamed_answers_are_not_gathered_by_default(
+    spawn_upstream: Callable[..., Upstream], spawn_router: Callable[..., Router]
+) -> None:
+    """Gathering is opt-in (it costs a stream's relaying): by default a non-streamed
+    request goes to the engine as it is, and no chunk of it is relayed."""
+    _, router = _fleet(spawn_upstream, spawn_router, gather=False)
+    chunks = "llmgw_router_inter_chunk_gap_seconds_count"
+    before = _metric(router, chunks, model="m1")
+    body = {"model": "m1", "max_tokens": 10, "messages": MESSAGES}
+    r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 10
+    assert _metric(router, chunks, model="m1") == before
+    gathered_body = {**body, "stream": True}
+    r = httpx.post(router.url + "/v1/chat/completions", json=gathered_body, timeout=30)
+    assert r.status_code == 200
+    assert _metric(router, chunks, model="m1") > before

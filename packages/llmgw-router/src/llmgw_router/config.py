@@ -87,6 +87,11 @@ class RetryConfig(BaseConfig):
     # After the first byte: a streamed chat or text completion whose engine breaks off
     # is resumed on another replica this many times at most (0: never; issue 28).
     max_resumes: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
+    # Non-streamed chat and text completions resumed too: asked of the engine as a stream
+    # and gathered into the one JSON answer (proxy/gather.py). Off by default: it costs
+    # the router a stream's relaying for every such request (2.7x the instructions of a
+    # 16-token answer), where a break only costs a retry from the start.
+    resume_unstreamed: bool = False
 
 
 class EjectionConfig(BaseConfig):

@@ -44,6 +44,7 @@ class Exchange:
     """The retry loop around one request's attempts."""
 
     __slots__ = (
+        "_gather",
         "_max_resumes",
         "_policy",
         "_traced",
@@ -64,6 +65,7 @@ class Exchange:
         self.resumable = ResumableRelay(state, pool, self.relay)
         config = state.config
         self._max_resumes = config.retries.max_resumes
+        self._gather = bool(self._max_resumes) and config.retries.resume_unstreamed
         self._policy = RetryPolicy(
             max_retries=config.retries.max_retries, retry_on_429=config.retries.retry_on_429
         )
@@ -73,7 +75,7 @@ class Exchange:
         metrics = state.metrics
         state.budget.on_request(ctx.started)
         last_failure: UpstreamFailure | None = None
-        if self._max_resumes and ctx.wrap is None:
+        if self._gather and ctx.wrap is None:
             # A non-streamed answer that may be resumed: asked of the engine as a stream
             # and gathered into one JSON answer (proxy/gather.py).
             streamed = streamed_request(ctx.path, ctx.body)
