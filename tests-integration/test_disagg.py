@@ -47,22 +47,22 @@ def test_pd_pools_on_one_fabric_prefill_then_decode(cluster: Cluster) -> None:
 
     replicas = cluster.wait_replicas("m", 3, timeout=90)
     by_profile: dict[str, list[dict[str, Any]]] = {}
-    for r in replicas:
-        by_profile.setdefault(r["profile"], []).append(r)
-        assert set(r["nodes"]) <= {"gpu-a", "gpu-c"}, r
+    for rep in replicas:
+        by_profile.setdefault(rep["profile"], []).append(rep)
+        assert set(rep["nodes"]) <= {"gpu-a", "gpu-c"}, rep
     assert sorted((p, len(rs)) for p, rs in by_profile.items()) == [
         ("pd-decode", 1),
         ("pd-prefill", 2),
     ]
-    for r in replicas:
-        (shard,) = r["shards"]
+    for rep in replicas:
+        (shard,) = rep["shards"]
         argv, env = cmdline(shard["pid"]), environ(shard["pid"])
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         side = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         assert side != shard["port"]
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-    prefill = [r["endpoint"] for r in by_profile["pd-prefill"]]
+    prefill = [rep["endpoint"] for rep in by_profile["pd-prefill"]]
     (decode_replica,) = by_profile["pd-decode"]
     decode = decode_replica["endpoint"]
 
