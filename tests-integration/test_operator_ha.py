@@ -80,6 +80,8 @@ def test_overrides_survive_a_failover(cluster: Cluster, etcd: Etcd) -> None:
     cluster.start_agent("gpu-a", gpus=3)
     cluster.start_agent("gpu-b", gpus=2)
     cluster.wait_replicas("chat", 2, timeout=120)
+    # Both replicas may be ready on gpu-a before gpu-b has registered.
+    cluster.wait_node_state("gpu-b", "READY", timeout=60)
 
     assert ctl(cluster, a_admin, "node", "cordon", "gpu-b").returncode == 0
     assert ctl(cluster, a_admin, "scale", "chat", "3").returncode == 0
