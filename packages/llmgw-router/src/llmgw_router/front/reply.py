@@ -173,10 +173,11 @@ class HttpRequest:
         out = [line]
         close = not self.keep_alive or self.conn.draining
         framed = said_close = False
-        rid = self.headers.get(request_id.HEADER) or request_id.new_id()
-        out += (request_id.HEADER, b": ", rid, b"\r\n")
+        rid_name = request_id.HEADER
+        rid = self.headers.get(rid_name) or request_id.new_id()
+        out += (rid_name, b": ", rid, b"\r\n")
         for name, value in self.head:
-            if name == request_id.HEADER:
+            if name == rid_name:
                 continue  # the request's own id, written above
             if name == b"content-length":
                 framed = True

@@ -210,7 +210,7 @@ class ProxyApp:
         outcome.ctx = ctx
         ticket = ctx.tenant
         if ticket is not None and ticket.state is not None:
-            reply = WithHeaders(reply, lambda: self.tenancy.headers(ticket))
+            reply = WithHeaders(reply, ticket.state)
         try:
             await self._exchange.serve(ctx, reply)
         except ApiError as err:

@@ -58,10 +58,11 @@ class FairQueue(Generic[T]):
             raise ValueError("at least one band")
         self._bands: list[_Band[T]] = [_Band() for _ in range(bands)]
         self._seq = itertools.count()
-        self._len = 0
+        # Held items in all bands (what len() returns; read directly on the hot path).
+        self.size = 0
 
     def __len__(self) -> int:
-        return self._len
+        return self.size
 
     def push(self, item: T, band: int, key: str, weight: float = 1.0) -> Held[T]:
         if weight <= 0:
@@ -73,7 +74,7 @@ class FairQueue(Generic[T]):
         b.live[key] = b.live.get(key, 0) + 1
         held = Held(tag, next(self._seq), band, key, item, start)
         heapq.heappush(b.heap, held)
-        self._len += 1
+        self.size += 1
         return held
 
     def remove(self, held: Held[T]) -> bool:
@@ -86,7 +87,7 @@ class FairQueue(Generic[T]):
 
     def _forget(self, held: Held[T]) -> None:
         b = self._bands[held.band]
-        self._len -= 1
+        self.size -= 1
         left = b.live[held.key] - 1
         if left:
             b.live[held.key] = left

@@ -26,7 +26,7 @@ from llmgw_router.endpoints import Endpoint
 from llmgw_router.errors import ApiError
 from llmgw_router.state import RouterState, now
 from llmgw_router.tenants.config import TenantsConfig
-from llmgw_router.tenants.estimate import count_prompt, estimate_tokens
+from llmgw_router.tenants.estimate import BYTES_PER_TOKEN, count_prompt, estimate_tokens
 from llmgw_router.tenants.fair import FairQueue, Held
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation
 from llmgw_router.tenants.metrics import TenantMetrics
@@ -88,6 +88,8 @@ class Ticket:
     level: int = 0
     held: float = 0.0
     done: bool = False
+    # The model's gate, once through it without a wait (saves done() the lookup).
+    gate: _Gate | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +143,7 @@ class Tenancy:
         self.config = config
         # Router-config limits are this router's; with N workers each takes 1/N.
         self.workers = max(1, workers)
+        self.one_worker = self.workers == 1
         self.bands = {name: i for i, name in enumerate(config.bands)}
         self.default_band = self.bands[config.default_priority]
         self.queue_on = bool(config.queue.per_endpoint or config.queue.engine_waiting)
@@ -249,11 +252,33 @@ class Tenancy:
         if key is not None:
             if key.priority in self.bands:
                 band = self.bands[key.priority]
-            if key.limits.limited:
-                ks = self._state_for(key, at)
-                limits = ks.limits
+            limits = key.limits
+            if limits.limited:
+                ks = self.keys.get(name)
+                # A router-config key of one worker, no budget, its state made for these
+                # very limits: nothing in _state_for to do (the hot path).
+                if (
+                    ks is None
+                    or ks.limits is not limits
+                    or not key.local
+                    or not self.one_worker
+                    or limits.budget_tokens
+                ):
+                    ks = self._state_for(key, at)
+                    limits = ks.limits
                 need = 0
-                if limits.tpm or limits.budget_tokens:
+                if (limits.tpm or limits.budget_tokens) and (
+                    tokens is None and head is not None and model not in self.tokenizers
+                ):
+                    # estimate_tokens, inline for the common case (the parse stage's head,
+                    # no count of the prompt's tokens): the body's size, the bound.
+                    completion = head.max_completion_tokens
+                    if type(completion) is not int or completion < 0:
+                        completion = head.max_tokens
+                        if type(completion) is not int or completion < 0:
+                            completion = self.config.default_max_tokens
+                    need = len(body) // BYTES_PER_TOKEN + completion
+                elif limits.tpm or limits.budget_tokens:
                     prompt: int | None = None
                     if tokens is not None:
                         prompt = len(tokens.tokens)
@@ -275,12 +300,26 @@ class Tenancy:
             name, self.config.bands[band], model, ks, reservation, self.queue_on, level=band
         )
         if self.queue_on:
-            gate = self._gate(model, candidates)
+            gate = self.gates.get(model)
+            if gate is None:
+                gate = self._gate(model, candidates)
+            else:
+                gate.candidates = candidates
             try:
-                if len(gate.queue) or self.full(gate, at, band):
+                queue = self.config.queue
+                # self.full's own first test, inline: under one endpoint's cap, not full.
+                if gate.queue.size or (
+                    (gate.in_flight >= queue.per_endpoint or queue.engine_waiting)
+                    and self.full(gate, at, band)
+                ):
                     await self._through_gate(ticket, band, key, candidates)
                 else:
-                    _go(gate, name, band)  # the engines take it: no wait (the hot path)
+                    # The engines take it: no wait (the hot path; _go, inline).
+                    gate.in_flight += 1
+                    gate.by_band[band] += 1
+                    by_key = gate.by_key
+                    by_key[name] = by_key.get(name, 0) + 1
+                    ticket.gate = gate
             except BaseException:
                 ticket.gated = False
                 self.done(ticket, None, None, 0)
@@ -336,8 +375,24 @@ class Tenancy:
         name = ticket.key
         known = prompt_tokens is not None and completion_tokens is not None
         used = (prompt_tokens or 0) + (completion_tokens or 0) if known else None
-        if ticket.state is not None and ticket.reservation is not None:
-            ticket.state.release(ticket.reservation, used, at)
+        ks, reservation = ticket.state, ticket.reservation
+        if ks is not None and reservation is not None:
+            if reservation.done or reservation.budget:
+                ks.release(reservation, used, at)
+            else:
+                # KeyState.release, inline for a reservation without a budget (every
+                # request of a key with rates only).
+                reservation.done = True
+                ks.in_flight -= 1
+                bucket = ks.tokens
+                reserved = reservation.tokens
+                if bucket is not None and used is not None and used != reserved:
+                    if at > bucket.at:
+                        level = bucket.level + (at - bucket.at) * bucket.rate
+                        bucket.level = level if level < bucket.capacity else bucket.capacity
+                        bucket.at = at
+                    level = bucket.level + reserved - used
+                    bucket.level = level if level < bucket.capacity else bucket.capacity
         usage = self.usage.get(name)
         if usage is None:
             # Admitted before the last usage report was taken: its usage is in the next.
@@ -353,10 +408,19 @@ class Tenancy:
             self.metrics.child(self.metrics.errors, name).inc()
         if ticket.gated:
             ticket.gated = False
-            gate = self.gates.get(ticket.model)
+            gate = ticket.gate or self.gates.get(ticket.model)
             if gate is not None:
-                _left(gate, name, ticket.level)
-                self._drain(gate)
+                # _left, inline (every request of a queue-enabled router).
+                gate.in_flight -= 1
+                gate.by_band[ticket.level] -= 1
+                by_key = gate.by_key
+                left = by_key.get(name, 0) - 1
+                if left > 0:
+                    by_key[name] = left
+                else:
+                    by_key.pop(name, None)
+                if gate.queue.size:
+                    self._drain(gate)
 
     # ------------------------------------------------------------------ the queue
 

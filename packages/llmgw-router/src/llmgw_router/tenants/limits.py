@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from math import ceil
 
 __all__ = [
     "Bucket",
@@ -21,6 +22,7 @@ __all__ = [
     "KeyState",
     "Refusal",
     "Reservation",
+    "both_lines",
     "reset_text",
 ]
 
@@ -57,6 +59,9 @@ class Bucket:
     __slots__ = ("at", "capacity", "level", "limit_text", "rate")
 
     def __init__(self, capacity: float, now: float) -> None:
+        # A float: compared with the (float) level on every request, where a large int
+        # would take CPython's slow int-to-float path.
+        capacity = float(capacity)
         self.capacity = capacity
         self.rate = capacity / 60.0
         self.level = capacity
@@ -74,6 +79,7 @@ class Bucket:
         """A new limit (share): the level keeps what was used against the old one."""
         self.refill(now)
         used = self.capacity - self.level
+        capacity = float(capacity)
         self.capacity = capacity
         self.rate = capacity / 60.0
         self.limit_text = b"%d" % capacity
@@ -176,8 +182,10 @@ class KeyState:
         limits = self.limits
         requests, bucket = self.requests, self.tokens
         if requests is not None:
-            if now > requests.at:
-                requests.refill(now)
+            if now > requests.at:  # Bucket.refill, inline (every admitted request)
+                level = requests.level + (now - requests.at) * requests.rate
+                requests.level = level if level < requests.capacity else requests.capacity
+                requests.at = now
             if requests.level < 1.0:
                 return Refusal(
                     "rpm",
@@ -186,7 +194,9 @@ class KeyState:
                 )
         if bucket is not None:
             if now > bucket.at:
-                bucket.refill(now)
+                level = bucket.level + (now - bucket.at) * bucket.rate
+                bucket.level = level if level < bucket.capacity else bucket.capacity
+                bucket.at = now
             if tokens > bucket.level:
                 if tokens > bucket.capacity:
                     return Refusal(
@@ -234,11 +244,12 @@ class KeyState:
         self.in_flight -= 1
         actual = reservation.tokens if used is None else used
         bucket = self.tokens
-        if bucket is not None:
-            if now > bucket.at:
-                bucket.refill(now)
-            if actual != reservation.tokens:
-                bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - actual)
+        if bucket is not None and actual != reservation.tokens:
+            if now > bucket.at:  # Bucket.refill, inline
+                level = bucket.level + (now - bucket.at) * bucket.rate
+                bucket.level = level if level < bucket.capacity else bucket.capacity
+                bucket.at = now
+            bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - actual)
         if reservation.budget:
             self.budget_reserved -= reservation.budget
             self.unreported += actual
@@ -250,10 +261,46 @@ class KeyState:
         requests, tokens = self.requests, self.tokens
         if requests is None:
             return [] if tokens is None else tokens.lines(now, _TOKENS)
-        out = requests.lines(now, _REQUESTS)
-        if tokens is not None:
-            out += tokens.lines(now, _TOKENS)
-        return out
+        if tokens is None:
+            return requests.lines(now, _REQUESTS)
+        return both_lines(requests, tokens, now, [])
+
+
+def both_lines(
+    requests: Bucket, tokens: Bucket, now: float, before: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    """``before`` and then the requests' and the tokens' buckets' lines (Bucket.lines
+    twice, inline: every response of a key with both rates)."""
+    if now > requests.at:
+        level = requests.level + (now - requests.at) * requests.rate
+        requests.level = level if level < requests.capacity else requests.capacity
+        requests.at = now
+    if now > tokens.at:
+        level = tokens.level + (now - tokens.at) * tokens.rate
+        tokens.level = level if level < tokens.capacity else tokens.capacity
+        tokens.at = now
+    r_level, t_level = requests.level, tokens.level
+    r_missing, t_missing = requests.capacity - r_level, tokens.capacity - t_level
+    # reset_text's "<1s" case inline (a bucket with room to spare refills in ms).
+    if r_missing > 0:
+        wait = r_missing / requests.rate
+        r_reset = b"%dms" % ceil(wait * 1000) if wait < 1 else reset_text(wait)
+    else:
+        r_reset = b"0s"
+    if t_missing > 0:
+        wait = t_missing / tokens.rate
+        t_reset = b"%dms" % ceil(wait * 1000) if wait < 1 else reset_text(wait)
+    else:
+        t_reset = b"0s"
+    return [
+        *before,
+        (b"x-ratelimit-limit-requests", requests.limit_text),
+        (b"x-ratelimit-remaining-requests", b"%d" % r_level if r_level > 0 else b"0"),
+        (b"x-ratelimit-reset-requests", r_reset),
+        (b"x-ratelimit-limit-tokens", tokens.limit_text),
+        (b"x-ratelimit-remaining-tokens", b"%d" % t_level if t_level > 0 else b"0"),
+        (b"x-ratelimit-reset-tokens", t_reset),
+    ]
 
 
 _REQUESTS = (
