@@ -442,9 +442,15 @@ class MoreRoutes(Handlers):
             {"index": i, "object": "score", "score": _score(x, y)}
             for i, (x, y) in enumerate(zip(firsts, seconds, strict=True))
         ]
+        return self._listed("score-", body, data, request)
+
+    def _listed(
+        self, prefix: str, body: dict[str, Any], data: list[dict[str, Any]], request: Request
+    ) -> Response:
+        """A list answer as vLLM's score, pooling and classify routes give it."""
         return self._json(
             {
-                "id": self.engine.new_id("score-"),
+                "id": self.engine.new_id(prefix),
                 "object": "list",
                 "created": int(time.time()),
                 "model": self._model(body),
@@ -474,17 +480,7 @@ class MoreRoutes(Handlers):
             {"index": i, "object": "pooling", "data": [_score(x, "pool"), _score("pool", x)]}
             for i, x in enumerate(items)
         ]
-        return self._json(
-            {
-                "id": self.engine.new_id("pool-"),
-                "object": "list",
-                "created": int(time.time()),
-                "model": self._model(body),
-                "data": data,
-                "usage": {"prompt_tokens": 0, "total_tokens": 0},
-            },
-            request,
-        )
+        return self._listed("pool-", body, data, request)
 
     async def classify(self, request: Request) -> Response:
         body = self._begin(request)
@@ -505,17 +501,7 @@ class MoreRoutes(Handlers):
                     "num_classes": 2,
                 }
             )
-        return self._json(
-            {
-                "id": self.engine.new_id("classify-"),
-                "object": "list",
-                "created": int(time.time()),
-                "model": self._model(body),
-                "data": data,
-                "usage": {"prompt_tokens": 0, "total_tokens": 0},
-            },
-            request,
-        )
+        return self._listed("classify-", body, data, request)
 
     # ----- audio ----------------------------------------------------------------
 
