@@ -121,6 +121,19 @@ def test_responses_stored_and_continued_through_any_router(fleet: Fleet) -> None
         assert got.parse().output_text == follow.output_text
     items = _openai(r2).responses.input_items.list(created.id)
     assert [item.type for item in items.data] == ["message"]
+    # The query string reaches the engine: paging through either router.
+    two = _openai(r1).responses.create(
+        model="m1",
+        input=[
+            {"role": "user", "content": "first"},
+            {"role": "user", "content": "second"},
+        ],
+    )
+    for router in (r1, r2):
+        page = _openai(router).responses.input_items.list(two.id, limit=1, order="desc")
+        assert len(page.data) == 1
+        assert page.has_more
+        assert page.data[0].model_dump(warnings=False)["content"] == "second"
     _openai(r2).responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         _openai(r1).responses.retrieve(created.id)

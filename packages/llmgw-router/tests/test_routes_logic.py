@@ -145,6 +145,9 @@ def test_form_field_says_what_is_wrong(body: bytes, ctype: bytes, words: str) ->
         ("/v1/responses/resp_1", ("GET", "DELETE")),
         ("/v1/responses/resp_1/cancel", ("POST",)),
         ("/v1/responses/resp_1/input_items", ("GET",)),
+        ("/v1/responses/resp_1/input_items?limit=1&order=desc", ("GET",)),
+        ("/v1/responses/resp_1?include=x", ("GET", "DELETE")),
+        ("/v1/responses/?limit=1", None),
         ("/v1/responses/", None),
         ("/v1/responses/resp_1/other", None),
         ("/v1/chat/completions", None),
@@ -153,6 +156,13 @@ def test_form_field_says_what_is_wrong(body: bytes, ctype: bytes, words: str) ->
 )
 def test_methods_for(path: str, methods: tuple[str, ...] | None) -> None:
     assert routes.methods_for(path) == methods
+
+
+@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789=&%_-.", max_size=40))
+def test_stored_call_keeps_the_query_apart_from_the_id(query: str) -> None:
+    call = routes.stored_call(f"/v1/responses/resp_1/input_items?{query}")
+    assert call == routes.StoredCall("resp_1", "/input_items", "?" + query)
+    assert routes.stored_call("/v1/responses/resp_1") == routes.StoredCall("resp_1", "")
 
 
 def test_anthropic_error_shape() -> None:

@@ -15,6 +15,7 @@ import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 
@@ -330,7 +331,23 @@ class MoreRoutes(Handlers):
         if items is None:
             return self.engine.error(404, f"Response with id '{rid}' not found.")
         data = [{"id": f"{rid}_in{i}", **item} for i, item in enumerate(items)]
-        return self._json({"object": "list", "data": data, "has_more": False}, request)
+        # OpenAI's paging: `order` (asc or desc, by default desc in OpenAI's API; the
+        # simulator kept asc before this took a query, and keeps it without one) and
+        # `limit` (1-100).
+        query = parse_qs(request.query)
+        if query.get("order") == ["desc"]:
+            data.reverse()
+        has_more = False
+        if "limit" in query:
+            try:
+                limit = int(query["limit"][0])
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= 100:
+                return self.engine.error(400, "limit: must be an integer from 1 to 100")
+            has_more = len(data) > limit
+            data = data[:limit]
+        return self._json({"object": "list", "data": data, "has_more": has_more}, request)
 
     # ----- /v1/messages -------------------------------------------------------
 

@@ -94,6 +94,10 @@ def sweep_interval(keep_alive: float, head_timeout: float, body_timeout: float) 
     return max(0.05, min(5.0, keep_alive / 4, head_timeout / 4, body_timeout / 4))
 
 
+# The stored responses' routes (proxy/routes.py), whose query string the engine gets.
+_STORED = b"/v1/responses/"
+
+
 class _HeadTooLarge(Exception):
     """Raised from a parser callback: the head went past ``max_head_bytes``."""
 
@@ -257,15 +261,22 @@ class ProxyProtocol(asyncio.Protocol):
         self._set_deadline(_BODY)
         parts = request.url_parts
         url = parts[0] if len(parts) == 1 else b"".join(parts)
+        tail = b""
         if url[:1] != b"/":
             # Absolute form (`POST http://host/v1/...`) or `*`.
             url = httptools.parse_url(url).path or b"/"
         else:
             query = url.find(b"?")
             if query >= 0:
+                # A stored response's query (``include``, ``starting_after``, ``limit``,
+                # ``order``, ...) goes on to the engine as the client sent it (routes.py);
+                # every other route takes none.
+                tail = url[query:] if url.startswith(_STORED) else b""
                 url = url[:query]
         path = url.decode("latin-1")
-        request.path = unquote(path) if "%" in path else path
+        if "%" in path:
+            path = unquote(path)
+        request.path = path + tail.decode("latin-1") if tail else path
         headers = request.headers
         request_id.ensure(headers)  # the engine gets it, the answer carries it
         # Judged on the head: route and key (a wrong key reads no body and gets no

@@ -17,7 +17,7 @@ from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
 from llmgw_router.proxy.admit import MODELS_PATH, Admission, too_large
 from llmgw_router.proxy.context import Headers, Outcome, Reply, RequestContext, respond
-from llmgw_router.proxy.routes import error_body
+from llmgw_router.proxy.routes import STORED_PREFIX, error_body
 from llmgw_router.state import RouterState
 
 __all__ = ["Receive", "Scope", "Send", "Stages", "serve_asgi"]
@@ -106,6 +106,10 @@ async def _route(
     app: Stages, scope: Scope, receive: Receive, reply: _AsgiReply, outcome: Outcome
 ) -> None:
     path = scope["path"]
+    query = scope.get("query_string", b"")
+    if query and path.startswith(STORED_PREFIX):
+        # A stored response's query goes on to the engine as sent (routes.py).
+        path = f"{path}?{bytes(query).decode('latin-1')}"
     headers: Headers = {}
     for key, value in scope["headers"]:
         headers.setdefault(bytes(key), bytes(value))

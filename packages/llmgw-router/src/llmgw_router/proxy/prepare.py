@@ -77,7 +77,7 @@ def prepare(
         raise _gone(call.response_id, endpoint_id)
     return Prepared(
         RequestHead(model=ep.spec.models[0]),
-        f"{routes.RESPONSES_PATH}/{engine_id}{call.action}",
+        f"{routes.RESPONSES_PATH}/{engine_id}{call.action}{call.query}",
         body,
         method=method,
         pinned=endpoint_id,

@@ -36,6 +36,7 @@ __all__ = [
     "JSON_ROUTES",
     "MESSAGES_PATH",
     "RESPONSES_PATH",
+    "STORED_PREFIX",
     "IdRewriter",
     "StoredCall",
     "anthropic_error_body",
@@ -68,7 +69,7 @@ FORM_ROUTES = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _POST = ("POST",)
 _READ = ("GET", "DELETE")
 _GET = ("GET",)
-_STORED_PREFIX = RESPONSES_PATH + "/"
+STORED_PREFIX = RESPONSES_PATH + "/"
 _MARK = "-llmgw-"
 
 
@@ -110,16 +111,19 @@ class StoredCall:
 
     response_id: str
     action: str  # "", "/cancel" or "/input_items"
+    query: str = ""  # "" or "?" and the query string as sent
 
 
 def stored_call(path: str) -> StoredCall | None:
-    if not path.startswith(_STORED_PREFIX):
+    """A stored response's call: its id, the action after it and the query string the
+    client sent (``?include=...``, ``?limit=...``; passed on to the engine as sent)."""
+    if not path.startswith(STORED_PREFIX):
         return None
-    rest = path[len(_STORED_PREFIX) :]
+    rest, mark, query = path[len(STORED_PREFIX) :].partition("?")
     response_id, slash, action = rest.partition("/")
     if not response_id or (slash and action not in ("cancel", "input_items")):
         return None
-    return StoredCall(response_id, "/" + action if slash else "")
+    return StoredCall(response_id, "/" + action if slash else "", mark + query)
 
 
 # The response ids in an engine's answer: its own, and the previous one it names.
