@@ -43,6 +43,7 @@ from llmgw_control.engine_report import EngineFlagsApi
 from llmgw_control.history import run_sampler
 from llmgw_control.leading import Leading
 from llmgw_control.lora import render_adapters
+from llmgw_control.prefixes import PrefixShare
 from llmgw_control.store import StoreError
 from llmgw_control.tls_gate import GatedServer
 
@@ -142,7 +143,14 @@ async def _serve(loaded: Loaded, config_path: Path, insecure: bool) -> None:
 
     server = GatedServer(
         leading.services(
-            [controller.agents, controller.publisher, tenants, controller.requests_in]
+            [
+                controller.agents,
+                controller.publisher,
+                tenants,
+                controller.requests_in,
+                # The prefixes routers share (cache_aware.shared_homes), checked as Watch is.
+                PrefixShare(controller.publisher._check_router),
+            ]
         ),
         ssl_context=ssl,
         on_refused=refused,

@@ -39,9 +39,13 @@ __all__ = (
     "LogsChunk",
     "LogsCredit",
     "LogsRequest",
+    "ModelPrefixes",
     "ModelRequests",
     "MultiNode",
     "NetworkInterface",
+    "PrefixKey",
+    "PrefixReport",
+    "PrefixSet",
     "Register",
     "RegisterAck",
     "RequestReply",
@@ -1044,6 +1048,23 @@ default_message_pool.register_message("llmgw.v1", "LogsRequest", LogsRequest)
 
 
 @dataclass(eq=False, repr=False)
+class ModelPrefixes(betterproto2.Message):
+    model: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The served model the keys were seen for; empty where the router's window spans
+    every model it serves (one cache_aware window per router worker).
+    """
+
+    keys: "list[PrefixKey]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    At most 4,096 per report (the control plane refuses more).
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "ModelPrefixes", ModelPrefixes)
+
+
+@dataclass(eq=False, repr=False)
 class ModelRequests(betterproto2.Message):
     """
     What one router answered for one model since its previous RequestReport.
@@ -1093,6 +1114,59 @@ class NetworkInterface(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "NetworkInterface", NetworkInterface)
+
+
+@dataclass(eq=False, repr=False)
+class PrefixKey(betterproto2.Message):
+    """
+    One prefix a router has recently seen: the rendezvous block's hash (cache_aware's key).
+    """
+
+    key: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+
+    size: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    Its size in prefix blocks (what its prompts share); 0 where not known.
+    """
+
+    count: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    Requests with this prefix in the router's window (in the reply: summed over routers).
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "PrefixKey", PrefixKey)
+
+
+@dataclass(eq=False, repr=False)
+class PrefixReport(betterproto2.Message):
+    router_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    models: "list[ModelPrefixes]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    At most 64 models.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "PrefixReport", PrefixReport)
+
+
+@dataclass(eq=False, repr=False)
+class PrefixSet(betterproto2.Message):
+    """
+    The union of every router's report still fresh (reported within the last 10 s),
+    per model: each key with the largest size reported and the counts summed.
+    """
+
+    models: "list[ModelPrefixes]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    routers: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    How many routers' reports the union holds.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "PrefixSet", PrefixSet)
 
 
 @dataclass(eq=False, repr=False)
@@ -1655,6 +1729,29 @@ class EndpointServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def share_prefixes(
+        self,
+        message: "PrefixReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "PrefixSet":
+        """
+        Every second or so a router running cache_aware with shared_homes reports the
+        prefixes of its recent picks; the reply is every router's still fresh, merged, so
+        that each computes the prefixes' homes from the same fleet-wide set.
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.EndpointService/SharePrefixes",
+            message,
+            PrefixSet,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 from ...google import protobuf as __google__protobuf__
 
@@ -1746,6 +1843,15 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def share_prefixes(self, message: "PrefixReport") -> "PrefixSet":
+        """
+        Every second or so a router running cache_aware with shared_homes reports the
+        prefixes of its recent picks; the reply is every router's still fresh, merged, so
+        that each computes the prefixes' homes from the same fleet-wide set.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_watch(
         self, stream: "grpclib.server.Stream[WatchRequest, EndpointSnapshot]"
     ) -> None:
@@ -1801,6 +1907,14 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_requests(request)
         await stream.send_message(response)
 
+    async def __rpc_share_prefixes(
+        self, stream: "grpclib.server.Stream[PrefixReport, PrefixSet]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.share_prefixes(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.EndpointService/Watch": grpclib.const.Handler(
@@ -1838,5 +1952,11 @@ class EndpointServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 RequestReport,
                 RequestReply,
+            ),
+            "/llmgw.v1.EndpointService/SharePrefixes": grpclib.const.Handler(
+                self.__rpc_share_prefixes,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                PrefixReport,
+                PrefixSet,
             ),
         }
