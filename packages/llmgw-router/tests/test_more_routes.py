@@ -26,6 +26,7 @@ BIN = Path(sys.executable).parent
 class Router:
     url: str
     proc: Proc
+    admin: str = ""
 
 
 Fleet = tuple[list[Proc], list[Router]]
@@ -52,7 +53,7 @@ def _router(tmp: Path, endpoints: list[dict[str, object]]) -> Router:
     proc = Proc(
         [str(BIN / "llmgw-router"), "serve", "--config", str(path)], log_dir=tmp, name="router"
     )
-    router = Router(f"http://127.0.0.1:{port}", proc)
+    router = Router(f"http://127.0.0.1:{port}", proc, f"http://127.0.0.1:{admin}")
     try:
         wait_for(
             lambda: proc.alive() and http_get(f"http://127.0.0.1:{admin}/readyz")[0] == 200,
@@ -147,7 +148,28 @@ def test_responses_streamed(fleet: Fleet) -> None:
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text
     assert decode_id(final.id) is not None
+    # The usage of a streamed response (nested in its response.completed event) counts.
+    assert final.usage is not None
+    wanted = {"prompt": final.usage.input_tokens, "completion": final.usage.output_tokens}
+    assert wanted["completion"] > 0
+    # Counted as the relay ends, which may be just after the client has read the end.
+    wait_for(
+        lambda: all(_tokens(r1)[kind] >= n for kind, n in wanted.items()),
+        timeout=10,
+        what=f"llmgw_router_tokens_total at {wanted}",
+    )
     assert _openai(r2).responses.retrieve(final.id).output_text == final.output_text
+
+
+def _tokens(router: Router) -> dict[str, float]:
+    """llmgw_router_tokens_total for m1, by kind, from the router's /metrics."""
+    text = httpx.get(f"{router.admin}/metrics", timeout=10).text
+    out = {"prompt": 0.0, "completion": 0.0}
+    for line in text.splitlines():
+        if line.startswith("llmgw_router_tokens_total{") and 'model="m1"' in line:
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            out[kind] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def test_response_ids_not_of_the_fleet_are_404s(fleet: Fleet) -> None:
@@ -177,6 +199,7 @@ def test_messages_with_the_anthropic_client(fleet: Fleet) -> None:
     assert message.type == "message"
     assert message.content[0].type == "text"
     text = message.content[0].text
+    before = _tokens(r1)
     with client.messages.stream(
         model="m1", max_tokens=12, messages=[{"role": "user", "content": "Hello"}]
     ) as stream:
@@ -184,6 +207,15 @@ def test_messages_with_the_anthropic_client(fleet: Fleet) -> None:
         final = stream.get_final_message()
     assert streamed == text
     assert final.usage.output_tokens == 12
+    # Counted: the input tokens from the stream's first event, the output from its last.
+    assert final.usage.input_tokens > 0
+    wanted = {
+        "prompt": before["prompt"] + final.usage.input_tokens,
+        "completion": before["completion"] + 12,
+    }
+    wait_for(
+        lambda: _tokens(r1) == wanted, timeout=10, what=f"llmgw_router_tokens_total at {wanted}"
+    )
 
 
 def test_messages_errors_in_anthropic_shape(fleet: Fleet) -> None:

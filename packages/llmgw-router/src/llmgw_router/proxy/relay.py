@@ -55,6 +55,7 @@ class _WithUsage(msgspec.Struct):
 
 
 _decode_usage = msgspec.json.Decoder(_WithUsage).decode
+_decode_usage_object = msgspec.json.Decoder(_Usage).decode
 
 
 def response_headers(response: Response) -> list[tuple[bytes, bytes]]:
@@ -77,10 +78,37 @@ def usage_from(tail: bytes, streamed: bool) -> _Usage | None:
     # Only the event around the last mention is parsed, not the whole tail.
     start = tail.rfind(b"data: ", 0, at)
     end = tail.find(b"\n", at)
-    if start < 0:
+    if start >= 0:
+        with contextlib.suppress(msgspec.DecodeError):
+            found = _decode_usage(tail[start + 6 : end if end >= 0 else len(tail)]).usage
+            if found is not None:
+                return found
+    # Nested (the Responses API's `response.completed` event: `{"response": {...,
+    # "usage": {...}}}`), or an event longer than the tail kept (its whole output text
+    # comes with it): the usage object alone.
+    return _usage_object(tail, at)
+
+
+def _usage_object(data: bytes, at: int) -> _Usage | None:
+    """The ``{...}`` object after the ``"usage"`` key at ``at``, decoded alone (usage
+    objects hold numbers and nested objects of numbers, no strings with braces)."""
+    i = at + 7
+    n = len(data)
+    while i < n and data[i] in b" \t\r\n:":
+        i += 1
+    if i >= n or data[i] != 0x7B:  # "{": not an object (null, or cut off)
         return None
-    with contextlib.suppress(msgspec.DecodeError):
-        return _decode_usage(tail[start + 6 : end if end >= 0 else len(tail)]).usage
+    depth = 0
+    for j in range(i, min(n, i + 4096)):
+        c = data[j]
+        if c == 0x7B:
+            depth += 1
+        elif c == 0x7D:
+            depth -= 1
+            if not depth:
+                with contextlib.suppress(msgspec.DecodeError):
+                    return _decode_usage_object(data[i : j + 1])
+                return None
     return None
 
 
@@ -182,7 +210,14 @@ class Relay:
                 bytes(collected) if collected is not None else previous + last, streamed
             )
             if usage is not None:
-                prompt, completion = ctx.usage = usage.counts
+                prompt, completion = usage.counts
+                if streamed and not prompt and first:
+                    # An Anthropic stream: its input tokens came in its first event
+                    # (`message_start`), its last usage (`message_delta`) has the output.
+                    early = usage_from(first, True)
+                    if early is not None:
+                        prompt = early.counts[0]
+                ctx.usage = prompt, completion
                 metrics.child(metrics.tokens, model, "prompt").inc(prompt)
                 metrics.child(metrics.tokens, model, "completion").inc(completion)
         ctx.status, ctx.endpoint = (cut if failure else status), ep.id
