@@ -3,7 +3,6 @@ vLLM does, shared by llmgw-router and llmgw-sim; importable without its extra.""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,34 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_proto.prompts import PromptEncoder, TokenizerError, token_list
-
-WORDS = ["<bos>", "<unk>", "<turn>", "<end>", "user", "model", "hello", "there", "a", "b"]
-TEMPLATE = (
-    "{{ bos_token }} {% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
-    "{% endfor %}{% if add_generation_prompt %}<turn> model {% endif %}"
-)
-
-
-def write_tokenizer(folder: Path, template: str | None = TEMPLATE) -> Path:
-    from tokenizers import Tokenizer, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 0)]
-    )
-    tok.save(str(folder / "tokenizer.json"))
-    config: dict[str, object] = {"bos_token": "<bos>", "eos_token": {"content": "<end>"}}
-    if template is not None:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-def ids(text: str) -> list[int]:
-    return [WORDS.index(w) for w in text.split()]
+from llmgw_testkit.tokenizer import turn_ids as ids
+from llmgw_testkit.tokenizer import write_turn_tokenizer as write_tokenizer
 
 
 def test_a_chat_is_rendered_by_the_template_and_encoded_without_adding_specials(

@@ -3,7 +3,6 @@ blocks the engines report cached (named by llmgw_proto.token_blocks)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,34 +13,8 @@ from llmgw_router.config import RouterConfig, validate
 from llmgw_router.control.watch import apply_cache
 from llmgw_router.endpoints import Endpoint, EndpointSpec
 from llmgw_router.tokens import PromptBlocks, PromptTokenizer
-from tokenizers import Tokenizer, pre_tokenizers, processors
-from tokenizers.models import WordLevel
-
-WORDS = ["<bos>", "<unk>", "<turn>", "<end>", "user", "model", "hello", "there", "a", "b", "c"]
-TEMPLATE = (
-    "{{ bos_token }} {% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
-    "{% endfor %}{% if add_generation_prompt %}<turn> model {% endif %}"
-)
-
-
-def write_tokenizer(folder: Path, template: str | None = TEMPLATE) -> Path:
-    """A word-level tokenizer folder in the Hugging Face layout, with a BOS post-processor."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 0)]
-    )
-    tok.save(str(folder / "tokenizer.json"))
-    config: dict[str, object] = {"bos_token": "<bos>", "eos_token": {"content": "<end>"}}
-    if template is not None:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-def ids(text: str) -> list[int]:
-    return [WORDS.index(w) for w in text.split()]
+from llmgw_testkit.tokenizer import turn_ids as ids
+from llmgw_testkit.tokenizer import write_turn_tokenizer as write_tokenizer
 
 
 def test_chat_is_rendered_by_the_template_and_encoded_without_adding_specials(
