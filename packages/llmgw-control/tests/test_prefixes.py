@@ -37,10 +37,10 @@ keys = st.dictionaries(
 reports = st.lists(st.dictionaries(st.sampled_from(["", "a", "b"]), keys, max_size=3), max_size=5)
 
 
-def test_merge_takes_the_largest_size_and_sums_the_counts() -> None:
-    a: Prefixes = {"chat": {1: (8, 3), 2: (4, 1)}}
-    b: Prefixes = {"chat": {1: (12, 2)}, "code": {9: (4, 5)}}
-    assert merge([a, b]) == {"chat": {1: (12, 5), 2: (4, 1)}, "code": {9: (4, 5)}}
+def test_merge_takes_the_smallest_known_size_and_sums_the_counts() -> None:
+    a: Prefixes = {"chat": {1: (8, 3), 2: (4, 1), 3: (0, 1)}}
+    b: Prefixes = {"chat": {1: (12, 2), 2: (0, 1)}, "code": {9: (4, 5)}}
+    assert merge([a, b]) == {"chat": {1: (8, 5), 2: (4, 2), 3: (0, 1)}, "code": {9: (4, 5)}}
     assert merge([]) == {}
 
 
@@ -53,7 +53,8 @@ def test_merge_is_the_union_whatever_the_order(rs: list[Prefixes]) -> None:
         seen = [r[model] for r in rs if model in r]
         assert set(out[model]) == {k for s in seen for k in s}
         for key, (size, count) in out[model].items():
-            assert size == max(s[key][0] for s in seen if key in s)
+            known = [s[key][0] for s in seen if key in s and s[key][0]]
+            assert size == (min(known) if known else 0)
             assert count == sum(s[key][1] for s in seen if key in s)
     # Merging the merged again with nothing changes nothing; a report merged with
     # itself doubles the counts only.
@@ -167,7 +168,7 @@ async def test_two_routers_reports_come_back_merged_over_grpc() -> None:
         second = await stub.share_prefixes(_report("rb", (7, 12, 2), (9, 4, 1)))
         assert second.routers == 2
         got = {k.key: (k.size, k.count) for m in second.models for k in m.keys}
-        assert got == {2**64 - 1: (8, 3), 7: (12, 3), 9: (4, 1)}
+        assert got == {2**64 - 1: (8, 3), 7: (4, 3), 9: (4, 1)}
         with pytest.raises(GRPCError) as err:
             await stub.share_prefixes(v1.PrefixReport(router_id=""))
         assert err.value.status == grpclib.const.Status.INVALID_ARGUMENT

@@ -13,7 +13,7 @@ handler is :class:`PrefixShare`. Bounded: a report holds at most :data:`MAX_KEYS
 over at most :data:`MAX_MODELS` models (more is refused, naming what is over), the book
 keeps one report per router for :data:`MAX_ROUTERS` routers (the least recently heard
 from is dropped first) and forgets a report :data:`FRESH` seconds after it came; the
-union keeps at most :data:`MAX_UNION` keys, those with the largest counts.
+union (each key's smallest known size, its counts summed) keeps at most :data:`MAX_UNION` keys, those with the largest counts.
 """
 
 from __future__ import annotations
@@ -59,15 +59,23 @@ Prefixes = dict[str, dict[int, tuple[int, int]]]
 
 
 def merge(reports: Iterable[Mapping[str, Mapping[int, tuple[int, int]]]]) -> Prefixes:
-    """The union of ``reports``, per model: each key with the largest size any report
-    gives it and the sum of its counts."""
+    """The union of ``reports``, per model: each key with the smallest size any report
+    gives it (0, not known, only where none knows it) and the sum of its counts.
+
+    The smallest: a router's size for a prefix is what its last two prompts with it
+    share, but the whole prompt (its own tail too) while it has seen only one; the
+    smallest is the part the tenant's prompts share."""
     out: Prefixes = {}
     for report in reports:
         for model, keys in report.items():
             into = out.setdefault(model, {})
             for key, (size, count) in keys.items():
                 was = into.get(key)
-                into[key] = (size, count) if was is None else (max(was[0], size), was[1] + count)
+                if was is None:
+                    into[key] = (size, count)
+                else:
+                    least = min(was[0], size) if was[0] and size else was[0] or size
+                    into[key] = (least, was[1] + count)
     return out
 
 

@@ -76,6 +76,18 @@ def admin_app(state: RouterState) -> Starlette:
         balancer = state.balancer
         return balancer.footprint(ep) if isinstance(balancer, CacheAware) else 0
 
+    def prefix_keys() -> dict[str, Any] | None:
+        balancer = state.balancer
+        if not isinstance(balancer, CacheAware) or not balancer.shared_homes:
+            return None
+        own, fleet = balancer.recent_keys(), balancer.fleet_keys()
+        return {
+            "own": len(own),
+            "fleet": len(fleet),
+            "own_keys": [f"{k:016x}" for k in sorted(own)[:256]],
+            "fleet_keys": [f"{k:016x}" for k in sorted(fleet)[:256]],
+        }
+
     def engine_view(ep: Endpoint, now: float) -> dict[str, Any] | None:
         engine = ep.fresh_engine(now)
         if engine is None:
@@ -102,6 +114,9 @@ def admin_app(state: RouterState) -> Starlette:
                 # Precise matching: picks where the engines' reported caches (their
                 # blocks named by token ids) named where the prompt is held.
                 "engine_cache_picks": getattr(state.balancer, "engine_cache_picks", 0),
+                # shared_homes: the prefixes of this router's window and the fleet's (from
+                # the control plane's SharePrefixes), as hex keys, 256 at most each.
+                "prefix_keys": prefix_keys(),
                 "control": {
                     "address": state.control.address,
                     "connected": state.control.connected,

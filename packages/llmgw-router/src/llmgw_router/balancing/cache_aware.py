@@ -6,7 +6,7 @@ import math
 import random
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llmgw_router.balancing.base import Balancer, L, Pick
 from llmgw_router.balancing.index import MASK, PrefixIndex
@@ -70,7 +70,10 @@ class CacheAware(Balancer[L]):
       home. (Placing by this router's own record of what it sent, first come first
       placed, had routers that saw the tenants in other orders disagree.) A prefix held
       elsewhere is not moved to a home that changed (a move is a miss): it goes there
-      once this router's record of its holder has dropped it.
+      once this router's record of its holder has dropped it. Behind a control plane
+      the routers share their recent prefixes (share_keys, the control plane's
+      SharePrefixes): each places the union of every router's, so routers that each
+      see a part of the traffic still place from the same set.
     - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
       block_time * evicted``: the prefill queued there, the prompt's blocks it does not
       hold, and the live blocks of other prefixes this one would push out of a full cache
@@ -126,6 +129,9 @@ class CacheAware(Balancer[L]):
         self._homes_for: tuple[tuple[str, int, int], ...] = ()
         self._keys_version = 0
         self._homes_version = -1
+        # The fleet's recent prefixes (share_keys: every router's, through the control
+        # plane): key -> (size in blocks, 0 where not known; count).
+        self._fleet: dict[int, tuple[int, int]] = {}
 
     # -------------------------------------------------------------- prefix state
 
@@ -228,7 +234,8 @@ class CacheAware(Balancer[L]):
     def _home(self, ready: Sequence[L], key: int, prefix: Sequence[int]) -> int | None:
         """The shared placement rule's home (a position in ``ready``) for the prefix whose
         rendezvous block is ``key`` (placement.place over the prefixes of this router's
-        last ``window`` picks); None where no engine's cache size is known."""
+        last ``window`` picks and the fleet's, see share_keys); None where no engine's
+        cache size is known."""
         capacities = [c.cache_blocks for c in ready]
         if not any(capacities):
             return None
@@ -246,17 +253,23 @@ class CacheAware(Balancer[L]):
             self._homes = None
         homes = self._homes
         if homes is None or key not in homes or self._homes_version != self._keys_version:
+            fleet = self._fleet
             keys = set(self._recent_counts)
             keys.add(key)
             for gone in [k for k in sizes if k not in keys]:
                 del sizes[gone]
-                self._ranks.pop(gone, None)
                 self._last.pop(gone, None)
+            keys.update(fleet)
             ranks = self._ranks
+            for gone in [k for k in ranks if k not in keys]:
+                del ranks[gone]
             for k in keys:
                 if k not in ranks:
                     ranks[k] = self._scored(ready, k)
-            homes = self._homes = place(ranks, sizes, capacities)
+            # The fleet's size where it knows one (every router then places a prefix by
+            # the same size), this router's own where not.
+            placed = {**sizes, **{k: s for k, (s, _) in fleet.items() if s > 0}} if fleet else sizes
+            homes = self._homes = place(ranks, placed, capacities)
             self._homes_for = inputs
             self._homes_version = self._keys_version
         return homes[key]
@@ -276,6 +289,28 @@ class CacheAware(Balancer[L]):
                     break
                 common += 1
         return -(-max(1, common) // 4) * 4
+
+    def recent_keys(self) -> dict[int, tuple[int, int]]:
+        """The prefixes of this router's last ``window`` picks, for the fleet (the control
+        plane's SharePrefixes): key -> (size in blocks, 0 where not known yet; count)."""
+        sizes = self._sizes
+        return {k: (sizes.get(k, 0), n) for k, n in self._recent_counts.items()}
+
+    def fleet_keys(self) -> Mapping[int, tuple[int, int]]:
+        """The fleet's keys last given to share_keys."""
+        return self._fleet
+
+    def share_keys(self, keys: Mapping[int, tuple[int, int]]) -> None:
+        """The fleet's recent prefixes (key -> (size, count), every router's merged by the
+        control plane; empty: none, or no longer known). With ``shared_homes`` the homes
+        are placed over this router's own recent prefixes and these, so that routers
+        that each see a part of the traffic compute the same homes."""
+        fleet, was = dict(keys), self._fleet
+        self._fleet = fleet
+        # The homes depend on the keys and their sizes, not on the counts.
+        if fleet.keys() != was.keys() or any(fleet[k][0] != was[k][0] for k in fleet):
+            self._keys_version += 1
+            self._homes = None
 
     def _matches(
         self, ready: Sequence[L], prefix: Sequence[int], depth: int

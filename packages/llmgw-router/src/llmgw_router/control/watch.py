@@ -51,7 +51,9 @@ from llmgw_proto.v1 import (
 from llmgw_proto.v1 import Endpoint as WireEndpoint
 from llmgw_proto.v1 import EndpointLoad as WireLoad
 
+from llmgw_router.balancing import CacheAware
 from llmgw_router.config import ControlConfig
+from llmgw_router.control.prefixes import PrefixSharer
 from llmgw_router.control.requests import RequestsReporter
 from llmgw_router.endpoints import CacheChange, Endpoint, EndpointSpec, EngineLoad
 from llmgw_router.lora import apply_adapters
@@ -239,6 +241,14 @@ class EndpointWatcher:
         self.keys: KeysClient | None = None
         # Per-model request figures for the control plane's status page (requests.py).
         self.requests = RequestsReporter(state.metrics, router_id)
+        # The prefixes shared with the fleet's routers (prefixes.py), where cache_aware
+        # places homes by the shared rule; None where not.
+        balancer = state.balancer
+        self.prefixes = (
+            PrefixSharer(balancer, router_id)
+            if isinstance(balancer, CacheAware) and balancer.shared_homes
+            else None
+        )
 
     # ------------------------------------------------------------------ snapshots
 
@@ -394,6 +404,8 @@ class EndpointWatcher:
                     helpers.append(asyncio.create_task(self._load_loop(channel, lost)))
                 helpers.append(asyncio.create_task(self._demand_loop(channel)))
                 helpers.append(asyncio.create_task(self.requests.report(channel)))
+                if self.prefixes is not None:
+                    helpers.append(asyncio.create_task(self.prefixes.share(channel)))
                 if self.keys is not None:
                     helpers.append(asyncio.create_task(self.keys.watch(channel)))
                     helpers.append(asyncio.create_task(self.keys.report(channel)))

@@ -1155,7 +1155,8 @@ default_message_pool.register_message("llmgw.v1", "PrefixReport", PrefixReport)
 class PrefixSet(betterproto2.Message):
     """
     The union of every router's report still fresh (reported within the last 10 s),
-    per model: each key with the largest size reported and the counts summed.
+    per model: each key with the smallest size reported (0 only where none knows it; a
+    router that saw one prompt of a prefix reports the whole prompt) and the counts summed.
     """
 
     models: "list[ModelPrefixes]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)

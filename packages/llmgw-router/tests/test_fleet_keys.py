@@ -1,0 +1,130 @@
+"""cache_aware with the fleet's prefixes (issue 26, ``CacheAware.share_keys``): routers
+that each see a part of the tenants, given the same fleet-wide keys (what the control
+plane's SharePrefixes answers), compute the same home for every tenant within tight
+caches; without them they disagree. Examples and a hypothesis property."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llmgw_router.balancing import CacheAware
+from llmgw_testkit.candidates import Cand, usable
+
+SIZE = 40  # blocks each tenant's prompts share
+CACHE = 140  # less the eighth left for requests in flight: three tenants of 40 blocks
+
+
+def tenant(t: int, tail: int) -> tuple[int, ...]:
+    """A tenant's prompt as prefix blocks: its own chained hashes, then one unique block."""
+    head = tuple((t + 1) * 1_000_003 + i for i in range(SIZE))
+    return (*head, -(t + 1) * 1_000_003 - 7 * tail)
+
+
+def fleet(*routers: CacheAware[Cand]) -> dict[int, tuple[int, int]]:
+    """The routers' recent keys merged as the control plane merges them (the smallest
+    known size, the counts summed)."""
+    out: dict[int, tuple[int, int]] = {}
+    for r in routers:
+        for key, (size, count) in r.recent_keys().items():
+            was = out.get(key)
+            if was is None:
+                out[key] = (size, count)
+            else:
+                least = min(was[0], size) if was[0] and size else was[0] or size
+                out[key] = (least, was[1] + count)
+    return out
+
+
+def cands() -> list[Cand]:
+    return [Cand(f"e{i}", cache_blocks=CACHE) for i in range(4)]
+
+
+def see(balancer: CacheAware[Cand], ready: list[Cand], tenants: Iterable[int]) -> None:
+    """Two prompts of each tenant (so the router knows what they share)."""
+    for tail in (1, 2):
+        for t in tenants:
+            assert balancer.choose(ready, usable, None, tenant(t, tail), at=0.0).endpoint
+
+
+def homes(balancer: CacheAware[Cand], ready: list[Cand], tenants: int) -> dict[int, str]:
+    """Each tenant's home by the shared rule (what a new prefix is sent to)."""
+    out = {}
+    for t in range(tenants):
+        prefix = tenant(t, 9)
+        at = balancer._home(ready, prefix[min(len(prefix), balancer.affinity_blocks) - 1], prefix)
+        assert at is not None
+        out[t] = ready[at].id
+    return out
+
+
+def test_recent_keys_give_each_prefix_its_size_and_count() -> None:
+    balancer = CacheAware[Cand](shared_homes=True)
+    ready = cands()
+    see(balancer, ready, [0, 1])
+    keys = balancer.recent_keys()
+    assert len(keys) == 2
+    # What the two prompts share (40 blocks, rounded up to 4) and two picks each.
+    assert sorted(keys.values()) == [(SIZE, 2), (SIZE, 2)]
+
+
+def test_two_routers_with_different_halves_agree_once_they_share_the_fleets_keys() -> None:
+    tenants = 12
+    plain = CacheAware[Cand]()
+    spread = Counter(plain.ranking(cands(), tenant(t, 0))[0].id for t in range(tenants))
+    assert max(spread.values()) > 3  # hashing alone overfills an engine's cache
+    a, b = CacheAware[Cand](shared_homes=True), CacheAware[Cand](shared_homes=True)
+    ready_a, ready_b = cands(), cands()
+    see(a, ready_a, range(0, tenants, 2))
+    see(b, ready_b, range(1, tenants, 2))
+    # Each from its own half: they disagree (what 4 routers measured: 81-89 % hits).
+    assert homes(a, ready_a, tenants) != homes(b, ready_b, tenants)
+    shared = fleet(a, b)
+    assert len(shared) == tenants
+    a.share_keys(shared)
+    b.share_keys(shared)
+    agreed = homes(a, ready_a, tenants)
+    assert agreed == homes(b, ready_b, tenants)
+    # Within the caches: three tenants each.
+    assert sorted(Counter(agreed.values()).values()) == [3, 3, 3, 3]
+    # Nothing from the fleet: back to each router's own keys.
+    a.share_keys({})
+    assert homes(a, ready_a, tenants) != agreed
+
+
+def test_the_fleets_size_is_used_where_this_router_has_none() -> None:
+    balancer = CacheAware[Cand](shared_homes=True)
+    ready = cands()
+    see(balancer, ready, [0])
+    # Keys this router never saw, each with the fleet's size: twelve of 40 blocks
+    # cannot all sit at their first choices; with no size (1 block each) they can.
+    others = {tenant(t, 0)[7]: (SIZE, 1) for t in range(1, 12)}
+    balancer.share_keys(others)
+    tight = homes(balancer, ready, 12)
+    balancer.share_keys(dict.fromkeys(others, (0, 1)))
+    loose = homes(balancer, ready, 12)
+    assert sorted(Counter(tight.values()).values()) == [3, 3, 3, 3]
+    assert max(Counter(loose.values()).values()) > 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(6, 16), st.randoms(use_true_random=False), st.integers(2, 4))
+def test_any_split_of_the_tenants_agrees_with_the_same_fleet_keys(
+    tenants: int, rng: random.Random, routers: int
+) -> None:
+    parts: Mapping[int, list[int]] = {r: [] for r in range(routers)}
+    for t in range(tenants):
+        parts[rng.randrange(routers)].append(t)
+    balancers = [CacheAware[Cand](shared_homes=True) for _ in range(routers)]
+    readies = [cands() for _ in range(routers)]
+    for r, balancer in enumerate(balancers):
+        see(balancer, readies[r], parts[r])
+    shared = fleet(*balancers)
+    for balancer in balancers:
+        balancer.share_keys(shared)
+    first = homes(balancers[0], readies[0], tenants)
+    for r in range(1, routers):
+        assert homes(balancers[r], readies[r], tenants) == first
