@@ -151,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="bounded-load slack (requests) for llmgw's cache_aware (default: the router's own)",
     )
     parser.add_argument(
+        "--no-share-prefixes",
+        action="store_true",
+        help="tenants x4: the routers do not share their recent prefixes through the control "
+        "plane (cache_aware.share_prefixes false: each places homes from its own, as before "
+        "SharePrefixes)",
+    )
+    parser.add_argument(
         "--fleet",
         dest="fleets",
         nargs="+",
@@ -195,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         CACHE_AWARE["epsilon"] = args.cache_aware_epsilon
     if args.cache_aware_slack is not None:
         CACHE_AWARE["slack"] = args.cache_aware_slack
+    if args.no_share_prefixes:
+        CACHE_AWARE["share_prefixes"] = False
     use_uvloop()
     SKEW.update(zipf=args.zipf, conversations=args.conversations, turns=args.turns)
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)

@@ -154,6 +154,11 @@ class CacheAwareConfig(BaseConfig):
     # false: the first rendezvous choice with room in this router's own record (better
     # for a router alone: it knows every prefix it sent).
     shared_homes: bool = False
+    # With shared_homes behind a control plane: every second, share the prefixes of this
+    # router's recent picks through it (SharePrefixes) and place homes over every
+    # router's, so routers that each see a part of the traffic place alike. A router with
+    # static endpoints only has no control plane to share through.
+    share_prefixes: bool = True
     # Prompt bytes per engine token, to count an engine's cache (reported or configured
     # in tokens) in prefix blocks of block_bytes; 4 for English text with common
     # tokenizers. (With a tokenizer, blocks are block_bytes / 4 tokens: leave it at 4.)

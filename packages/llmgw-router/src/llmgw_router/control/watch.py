@@ -242,11 +242,13 @@ class EndpointWatcher:
         # Per-model request figures for the control plane's status page (requests.py).
         self.requests = RequestsReporter(state.metrics, router_id)
         # The prefixes shared with the fleet's routers (prefixes.py), where cache_aware
-        # places homes by the shared rule; None where not.
+        # places homes by the shared rule (and cache_aware.share_prefixes); None where not.
         balancer = state.balancer
         self.prefixes = (
             PrefixSharer(balancer, router_id)
-            if isinstance(balancer, CacheAware) and balancer.shared_homes
+            if isinstance(balancer, CacheAware)
+            and balancer.shared_homes
+            and state.config.cache_aware.share_prefixes
             else None
         )
 
