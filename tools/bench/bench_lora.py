@@ -77,6 +77,13 @@ def names(a: Args) -> list[str]:
     return [f"lora-{i:02d}" for i in range(a.adapters)]
 
 
+def popularity(a: Args) -> list[str]:
+    """The adapters, most asked for first (the order ``arrivals`` weighs them in)."""
+    order = names(a)
+    random.Random(a.seed).shuffle(order)  # popularity not tied to the name
+    return order
+
+
 def arrivals(a: Args) -> list[tuple[float, str]]:
     """(seconds from start, adapter) for every request, the same for both fleets."""
     rng = random.Random(a.seed)
@@ -290,6 +297,40 @@ async def run_llmgw(a: Args, cluster: Cluster, result: Result) -> tuple[float, i
     return measured_from, lora_loads(cluster) - before
 
 
+def trace(a: Args, cluster: Cluster, began: float) -> None:
+    """Where the llmgw run loses (--trace): per 10 s from the start, the requests held for want
+    of a holder and the loads and unloads, each adapter shown by its popularity rank (0 the
+    most asked for); read from the router's and the control plane's logs."""
+    rank = {name: k for k, name in enumerate(popularity(a))}
+    rows: dict[int, dict[str, list[str]]] = {}
+    for pattern, events in (
+        ("router-*.log", {"held request released": "held"}),
+        ("control*.log", {"adapter command sent": "sent", "adapter leaving": "out"}),
+    ):
+        for log in cluster.logs.glob(pattern):
+            for line in log.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, KeyError):
+                    entry = json.loads(line)
+                    kind = events.get(entry.get("event", ""))
+                    if kind is None:
+                        continue
+                    if kind == "sent" and entry["kind"] != "load":
+                        continue
+                    name = entry.get("model") or entry["adapter"]
+                    at = dt.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00"))
+                    slot = int((at.timestamp() - began) // 10) * 10
+                    note = str(rank.get(name, name))
+                    if kind == "held":
+                        note += f"({entry['waited']:.1f})"
+                    rows.setdefault(slot, {}).setdefault(kind, []).append(note)
+    for slot in sorted(rows):
+        r = rows[slot]
+        print(f"  t={slot:>3}s", file=sys.stderr)
+        for kind, what in (("held", "held"), ("sent", "loads"), ("out", "unloads")):
+            if r.get(kind):
+                print(f"    {what} {len(r[kind])}: {' '.join(r[kind])}", file=sys.stderr)
+
+
 def lora_loads(cluster: Cluster) -> int:
     loads: int = cluster.status()["lora"]["loads"]
     return loads
@@ -313,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zipf", type=float, default=1.5, help="Zipf exponent of demand")
     parser.add_argument("--load-time", type=float, default=1.0, help="seconds per adapter load")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", choices=("both", "llmgw", "rr"), default="both")
+    parser.add_argument(
+        "--trace", action="store_true", help="llmgw: held requests and loads per 10 s, by rank"
+    )
     ns = parser.parse_args(argv)
     a = Args(
         ns.replicas,
@@ -327,24 +372,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: dict[str, dict[str, float]] = {}
     print(f"arrivals: {len(arrivals(a))} requests; {a}", file=sys.stderr)
+    rr_name = "round robin + load on demand"
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         work = Path(tmp)
-        rr = Result()
-        with rr_fleet(a, work / "rr") as engines:
-            asyncio.run(run_rr(a, engines, rr))
-        rows["round robin + load on demand"] = summary(a, rr, rr.loads)
-        lg = Result()
-        with Cluster(work / "llmgw") as cluster:
-            start_llmgw(a, cluster)
-            measured_from, loads = asyncio.run(run_llmgw(a, cluster, lg))
-            held = held_since(cluster, measured_from)
-        lg.served_by_holder = max(0, lg.measured - held)
-        rows["llmgw"] = summary(a, lg, loads)
-    rr_row, lg_row = rows["round robin + load on demand"], rows["llmgw"]
-    rows["llmgw / round robin"] = {
-        "ttft_p90": round(lg_row["ttft_p90_s"] / max(rr_row["ttft_p90_s"], 1e-9), 3),
-        "loads_per_min": round(lg_row["loads_per_min"] / max(rr_row["loads_per_min"], 1e-9), 3),
-    }
+        if ns.only in ("both", "rr"):
+            rr = Result()
+            with rr_fleet(a, work / "rr") as engines:
+                asyncio.run(run_rr(a, engines, rr))
+            rows[rr_name] = summary(a, rr, rr.loads)
+        if ns.only in ("both", "llmgw"):
+            lg = Result()
+            with Cluster(work / "llmgw") as cluster:
+                start_llmgw(a, cluster)
+                measured_from, loads = asyncio.run(run_llmgw(a, cluster, lg))
+                held = held_since(cluster, measured_from)
+                if ns.trace:
+                    trace(a, cluster, measured_from - a.warmup)
+            lg.served_by_holder = max(0, lg.measured - held)
+            rows["llmgw"] = summary(a, lg, loads)
+    if len(rows) == 2:
+        rr_row, lg_row = rows[rr_name], rows["llmgw"]
+        rows["llmgw / round robin"] = {
+            "ttft_p90": round(lg_row["ttft_p90_s"] / max(rr_row["ttft_p90_s"], 1e-9), 3),
+            "loads_per_min": round(lg_row["loads_per_min"] / max(rr_row["loads_per_min"], 1e-9), 3),
+        }
     print(json.dumps(rows, indent=2))
     return 0
 

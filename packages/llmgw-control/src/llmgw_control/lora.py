@@ -37,12 +37,20 @@ HELD_TTL = 5.0
 # An adapter to unload is first hidden from routers (EndpointLoad.adapters) for this long,
 # so that none sends it there any more when the engine lets it go.
 UNLOAD_GRACE = 1.5
+# A quarter of a base model's adapter slots (at least one) is the spare pool: the least
+# used adapters, the only ones a colder adapter's first requests may evict; the rest stay
+# pinned, so a burst of rarely used adapters does not unload the hot ones.
+SPARE_SHARE = 0.25
+# Requests held this long for an adapter may evict any adapter idle for min_idle.
+PATIENCE = 3.0
 
 
 @dataclass
 class _AdapterDemand:
     held: int = 0
     held_at: float = 0.0
+    # Since when requests have been held without a break (0: none held).
+    held_since: float = 0.0
     last_used: float = 0.0
     # (when, requests) reported within RATE_WINDOW.
     counts: deque[tuple[float, int]] = field(default_factory=deque)
@@ -52,7 +60,8 @@ class _AdapterDemand:
             self.counts.popleft()
         held = self.held if now - self.held_at <= HELD_TTL else 0
         rate = sum(n for _, n in self.counts) / RATE_WINDOW
-        return Demand(held=held, rate=rate, last_used=self.last_used)
+        held_for = now - self.held_since if held and self.held_since else 0.0
+        return Demand(held=held, rate=rate, last_used=self.last_used, held_for=held_for)
 
 
 @dataclass
@@ -103,6 +112,10 @@ class LoraManager:
 
     def on_demand(self, adapter: str, held: int, requests: int, now: float) -> None:
         d = self.demand.setdefault(adapter, _AdapterDemand())
+        if not held:
+            d.held_since = 0.0
+        elif not d.held_since or not d.held or now - d.held_at > HELD_TTL:
+            d.held_since = now
         d.held, d.held_at = held, now
         if requests:
             d.counts.append((now, requests))
@@ -199,7 +212,16 @@ class LoraManager:
                 # Adapters no longer in the catalog (a reload removed them) are unloaded.
                 removed += [Action("unload", ep.id, a) for a in sorted(held - going - set(names))]
             demand = {a: d.view(now) for a, d in self.demand.items() if a in names}
-            actions = plan(views, demand, hot_rate=self.hot_rate, now=now, min_idle=min_idle)
+            spare = max(1, int(SPARE_SHARE * sum(v.capacity for v in views)))
+            actions = plan(
+                views,
+                demand,
+                hot_rate=self.hot_rate,
+                now=now,
+                min_idle=min_idle,
+                patience=PATIENCE,
+                spare=spare,
+            )
             for action in [*removed, *actions]:
                 ep = by_id[action.replica]
                 key = (action.replica, action.adapter)

@@ -10,6 +10,12 @@ Output: load and unload actions, in the order to send them.
   whose least used adapter is the least used of all unloads it first (fleet-wide: the
   lowest recent request rate, then the least recently used; never an adapter being
   loaded, with requests held, or used within ``min_idle`` seconds).
+- With ``spare`` set, the fleet's ``spare`` least used adapters are the spare pool: a
+  newcomer evicts only one of those or one with a lower rate than its own, until its
+  requests have waited ``patience`` seconds (then any, as above). The hot adapters stay
+  pinned while rarely used ones take turns in the spare slots: without it, a burst of
+  tail requests, whose adapters once loaded are kept for ``min_idle``, unloaded the
+  adapters asked for every few seconds (bench_lora's trace; issue 30).
 - A hot adapter (more than ``hot_rate`` requests a second per holder) gains a holder,
   one per pass, on the least loaded replica that does not hold it, evicting there only
   an adapter used less recently than it.
@@ -56,6 +62,8 @@ class Demand:
     rate: float = 0.0
     # When it was last asked for (monotonic seconds; 0: never).
     last_used: float = 0.0
+    # How long requests have been held for it without a break (seconds).
+    held_for: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ def plan(
     hot_rate: float = 8.0,
     now: float = 0.0,
     min_idle: float = 0.0,
+    patience: float = 0.0,
+    spare: int | None = None,
 ) -> list[Action]:
     """The loads and unloads to send now (see the module's rules)."""
     reps = [_Replica(r, set(r.taken), r.load) for r in replicas if r.capacity > 0]
@@ -95,14 +105,24 @@ def plan(
         d = demand.get(adapter)
         return (d.rate, d.last_used) if d is not None else (0.0, 0.0)
 
-    def victim(rep: _Replica, newer_than: float | None) -> str | None:
-        """The adapter ``rep`` may unload for another: least recently used first."""
+    def everyone() -> set[str]:
+        return {a for r in reps for a in r.taken}
+
+    def victim(rep: _Replica, adapter: str, newer_than: float | None) -> str | None:
+        """The adapter ``rep`` may unload for ``adapter``: the least used first, and with
+        ``spare`` set only one of the spare pool or used less than ``adapter`` (rate),
+        unless ``adapter``'s requests have waited ``patience``."""
+        wanted = demand.get(adapter, Demand())
+        pool: set[str] | None = None
+        if spare is not None and wanted.held_for < patience:
+            pool = set(sorted(everyone(), key=lambda a: (used(a), a))[:spare])
         movable = [
             a
             for a in rep.taken
             if a not in rep.view.loading
             and demand.get(a, Demand()).held == 0
             and (min_idle <= 0 or now - last_used(a) >= min_idle)
+            and (pool is None or a in pool or used(a)[0] < wanted.rate)
         ]
         if not movable:
             return None
@@ -118,7 +138,7 @@ def plan(
         if free:
             rep = min(free, key=lambda r: (r.load, len(r.taken), r.view.id))
         else:
-            outs = [(out, r) for r in among if (out := victim(r, newer_than)) is not None]
+            outs = [(out, r) for r in among if (out := victim(r, adapter, newer_than)) is not None]
             if not outs:
                 return False
             out, rep = min(outs, key=lambda o: (used(o[0]), o[1].load, o[1].view.id))
