@@ -147,7 +147,7 @@ class Chooser:
             tiers = retry_tiers(ctx.candidates, current, [t.id for t in ctx.tried], ctx.refused)
         warmer = self.warmer
         for tier in tiers:
-            if warmer is not None and warmer.leaving:
+            if warmer is not None and warmer.excluded:
                 tier = warmer.staying(tier)
             if not tier:
                 continue

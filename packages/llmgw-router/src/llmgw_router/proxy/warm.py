@@ -1,4 +1,5 @@
-"""Warming before a drain (issue 28 point 3): a leaving endpoint's hot prefixes move first.
+"""Warming before a drain (issue 28 point 3): a leaving endpoint's hot prefixes move first,
+and a joining endpoint takes the prefixes it becomes the home of only once they are warm.
 
 The control plane marks a replica it is about to take away (scale-down, rolling update,
 node drain, restart) ``leaving`` in the endpoint snapshot and waits a bounded time before
@@ -22,6 +23,25 @@ draining it. On seeing the mark, this router
   a client (it takes no tenant's slot; the engine sees one short request);
 - points its prefix index at each new home once its copy is answered, so the next requests
   for that prefix go there as a held prefix.
+
+An endpoint that joins (in a rolling update, the surge replica; or a scale-up) is the
+first rendezvous choice of about one prefix in ``n``, and cache_aware sends a prefix
+back to its first choice once that is no more loaded than its holder: every such
+prefix would miss on the empty newcomer. So on seeing a new endpoint, this router
+
+- takes its peers' samples (the model's endpoints of its profile and role, leaving ones
+  included, merged by rendezvous block: :func:`merged`) and plans, the same way and
+  within the same bounds (the budget: ``max_prefill_fraction`` of the mean of what the
+  staying peers were sent lately), copies of those whose new home (the first of the
+  ranking of the staying endpoints, the newcomer among them) is the newcomer;
+- holds the newcomer out of its picks until those copies are answered (at most
+  ``warming.timeout``): meanwhile its prefixes stay with their holders (a leaving one
+  included: a leaving endpoint done warming still takes requests while a joiner is held);
+  a copy answered points the index at it, so the prefix then goes there as a held one.
+  With nothing to warm, it takes requests at once.
+
+A prompt is warmed on one endpoint once (a join and a leave in one rollout step plan
+against each other's copies).
 
 Counted in ``llmgw_router_warm_requests_total{model,outcome}`` and
 ``llmgw_router_warm_prompt_tokens_total{model}`` (the estimated prompt tokens sent).
@@ -47,7 +67,7 @@ if TYPE_CHECKING:
     from llmgw_router.state import RouterState
     from llmgw_router.upstream import Pool
 
-__all__ = ["Hot", "RecentPrompts", "Warmer", "plan", "warm_body"]
+__all__ = ["Hot", "RecentPrompts", "Warmer", "merged", "plan", "warm_body"]
 
 log = structlog.get_logger(__name__)
 
@@ -161,6 +181,27 @@ def plan(
     return out
 
 
+def merged(lists: Sequence[Sequence[Hot]]) -> list[Hot]:
+    """Several endpoints' samples as one (a prompt spread over several is one prompt):
+    by rendezvous block, its uses summed and the latest sample's body kept (the later
+    list's where two carry it), in the order of first appearance."""
+    out: dict[int, Hot] = {}
+    for hot in lists:
+        for h in hot:
+            found = out.get(h.key)
+            if found is None:
+                out[h.key] = Hot(h.key, h.model, h.path, h.body, h.prefix, h.tokens, h.uses)
+            else:
+                found.uses += h.uses
+                found.body, found.path, found.prefix, found.tokens = (
+                    h.body,
+                    h.path,
+                    h.prefix,
+                    h.tokens,
+                )
+    return list(out.values())
+
+
 _DROPPED = ("max_completion_tokens", "stream_options", "n", "best_of", "logprobs", "top_logprobs")
 
 
@@ -182,7 +223,8 @@ def warm_body(body: bytes) -> bytes | None:
 
 
 class Warmer:
-    """The router's side of a drain that keeps the cache warm (see the module's doc)."""
+    """The router's side of a drain that keeps the cache warm, and of a replica that joins
+    warm (see the module's doc)."""
 
     def __init__(self, state: RouterState, pool: Pool, config: WarmingConfig) -> None:
         self.state = state
@@ -192,10 +234,17 @@ class Warmer:
         self.recent = RecentPrompts(
             config.samples_per_endpoint, cache_aware.window, cache_aware.affinity_blocks
         )
-        # Endpoints marked leaving in the current snapshot, and those of them sent no new
-        # request any more (warmed, or nothing to warm; checked on every pick).
+        # Endpoints marked leaving in the current snapshot, and the endpoints sent no new
+        # request for now (checked on every pick): joining ones until their warm copies
+        # are answered, and leaving ones done warming once no joiner is held.
         self.leaving: frozenset[str] = frozenset()
         self.excluded: frozenset[str] = frozenset()
+        self._left: set[str] = set()
+        self._held: set[str] = set()
+        # Per endpoint, the rendezvous blocks warmed there (or being): no copy twice.
+        self._sent: dict[str, set[int]] = {}
+        # The endpoints of the last snapshot (one not among them joins).
+        self._known: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         state.on_endpoints.append(self._on_endpoints)
         self._on_endpoints()
@@ -207,7 +256,8 @@ class Warmer:
             self.recent.note(ep.id, ctx)
 
     def staying(self, tier: list[Endpoint]) -> list[Endpoint]:
-        """``tier`` without its leaving endpoints done warming, unless none would be left."""
+        """``tier`` without the endpoints held out (joining ones warming, leaving ones done
+        warming), unless none would be left."""
         excluded = self.excluded
         if not excluded:
             return tier
@@ -216,111 +266,207 @@ class Warmer:
 
     # ------------------------------------------------------------ on a new snapshot
 
+    def _refresh(self) -> None:
+        # A leaving endpoint keeps its prefixes while a joiner is held: its heirs may be
+        # the joiner, and sending them elsewhere meanwhile would be a miss there.
+        held = self._held
+        self.excluded = frozenset(held) if held else frozenset(self._left & self.leaving)
+
     def _on_endpoints(self) -> None:
         endpoints = self.state.endpoints.endpoints
+        present = {ep.id for ep in endpoints}
         leaving = frozenset(ep.id for ep in endpoints if ep.spec.leaving)
         new = leaving - self.leaving
+        joined = [ep for ep in endpoints if ep.id not in self._known and not ep.spec.leaving]
         self.leaving = leaving
-        self.excluded &= leaving
-        present = {ep.id for ep in endpoints}
+        self._known = present
+        self._left &= leaving
+        self._held &= present
+        for gone in [i for i in self._sent if i not in present]:
+            del self._sent[gone]
         for gone in [i for i in self.recent._hot if i not in present]:
             self.recent.forget(gone)
-        if not new:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         if loop is None or not self.config.enabled:
-            self.excluded |= new
+            self._left |= new
+            self._refresh()
             return
-        for ep in endpoints:
-            if ep.id in new:
-                task = loop.create_task(self._warm(ep))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        new_leaving = [ep for ep in endpoints if ep.id in new]
+        jobs = self._change_plan(joined, new_leaving)
+        held = {target.id for target, _ in jobs} & {ep.id for ep in joined}
+        self._held |= held
+        self._left |= new - {ep.id for ep in new_leaving if jobs}
+        if jobs:
+            for target, h in jobs:
+                self._sent.setdefault(target.id, set()).add(h.key)
+            task = loop.create_task(self._warm(jobs, held, new))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._refresh()
 
-    def new_home(self, leaving: Endpoint, h: Hot) -> Endpoint | None:
+    def _peers(self, model: str, like: Endpoint) -> list[Endpoint]:
+        """The model's endpoints of ``like``'s profile and role that stay (not leaving,
+        not removed): the ranking a prefix's new home is the first of."""
+        return [
+            ep
+            for ep in self.state.endpoints.for_model(model) or ()
+            if ep.id not in self.leaving
+            and not ep.removed
+            and ep.spec.role == like.spec.role
+            and ep.profile == like.profile
+        ]
+
+    def new_home(self, like: Endpoint, h: Hot) -> Endpoint | None:
         balancer = self.state.balancer
         if not isinstance(balancer, CacheAware):
             return None
-        candidates = [
-            ep
-            for ep in self.state.endpoints.for_model(h.model) or ()
-            if ep.id not in self.leaving
-            and not ep.removed
-            and ep.spec.role == leaving.spec.role
-            and ep.profile == leaving.profile
-        ]
+        candidates = self._peers(h.model, like)
         if not candidates:
             return None
         first: Endpoint = balancer.ranking(candidates, h.prefix)[0]
         return first
 
-    async def _warm(self, leaving: Endpoint) -> None:
-        config = self.config
+    def _planned(
+        self, hot: Sequence[Hot], home: Callable[[Hot], Endpoint | None], budget: int
+    ) -> list[tuple[Endpoint, Hot]]:
         homes: dict[str, Endpoint] = {}
 
-        def home(h: Hot) -> str | None:
-            ep = self.new_home(leaving, h)
-            if ep is None:
+        def target(h: Hot) -> str | None:
+            ep = home(h)
+            if ep is None or h.key in self._sent.get(ep.id, ()):
                 return None
             homes[ep.id] = ep
             return ep.id
 
-        budget = int(config.max_prefill_fraction * self.recent.recent_prefill(leaving.id))
-        jobs = plan(
-            self.recent.hot(leaving.id),
-            self.leaving,
-            home,
-            max_requests=config.max_requests,
-            max_tokens=budget,
-        )
-        log.info("warming", leaving=leaving.id, prompts=len(jobs), token_budget=budget)
+        config = self.config
+        jobs = plan(hot, self.leaving, target, max_requests=config.max_requests, max_tokens=budget)
+        return [(homes[t], h) for t, h in jobs]
+
+    def _change_plan(
+        self, joined: Sequence[Endpoint], left: Sequence[Endpoint]
+    ) -> list[tuple[Endpoint, Hot]]:
+        """One plan for what a snapshot changed, per pool (profile and role) that an
+        endpoint joined or began leaving: the prompts sampled on the pool's endpoints
+        (merged), each warmed on its new home (the first of the ranking of the staying
+        endpoints) where it moves there: sampled on a leaving endpoint, or its new home
+        a joiner; not where that home holds it already. One budget for the lot: the
+        leaving endpoints' ``max_prefill_fraction`` of what they were sent lately (a
+        rolling update's step, a joiner and a leaving one, costs what a drain does), or
+        with none leaving, that of the mean staying endpoint per joiner."""
+        pools: dict[tuple[str, str], tuple[list[Endpoint], list[Endpoint]]] = {}
+        for ep in joined:
+            pools.setdefault((ep.profile, ep.spec.role), ([], []))[0].append(ep)
+        for ep in left:
+            pools.setdefault((ep.profile, ep.spec.role), ([], []))[1].append(ep)
+        fraction = self.config.max_prefill_fraction
+        recent = self.recent
+        jobs: list[tuple[Endpoint, Hot]] = []
+        for (profile, role), (joins, leaves) in pools.items():
+            members = [
+                ep
+                for ep in self.state.endpoints.endpoints
+                if ep.profile == profile and ep.spec.role == role and not ep.removed
+            ]
+            joining = {ep.id for ep in joins}
+            moving = {ep.id for ep in leaves}
+            held: dict[int, set[str]] = {}
+            lists: list[list[Hot]] = []
+            # The leaving endpoints' samples last: their bodies win in the merge.
+            for ep in sorted(members, key=lambda ep: ep.id in moving):
+                hot = recent.hot(ep.id)
+                lists.append(hot)
+                for h in hot:
+                    held.setdefault(h.key, set()).add(ep.id)
+            hot = merged(lists)
+            if not hot:
+                continue
+            if leaves:
+                budget = sum(fraction * recent.recent_prefill(ep.id) for ep in leaves)
+            else:
+                staying = [ep for ep in members if ep.id not in self.leaving | joining]
+                mean = sum(recent.recent_prefill(ep.id) for ep in staying) / max(1, len(staying))
+                budget = fraction * mean * len(joins)
+            home = self._mover((leaves or joins)[0], held, joining, moving)
+            planned = self._planned(hot, home, int(budget))
+            log.info(
+                "warming",
+                joining=sorted(joining),
+                leaving=sorted(moving),
+                prompts=len(planned),
+                token_budget=int(budget),
+            )
+            jobs += planned
+        return jobs
+
+    def _mover(
+        self, like: Endpoint, held: dict[int, set[str]], joining: set[str], moving: set[str]
+    ) -> Callable[[Hot], Endpoint | None]:
+        """A sampled prompt's new home where it moves there (see :meth:`_change_plan`)."""
+
+        def home(h: Hot) -> Endpoint | None:
+            ep = self.new_home(like, h)
+            holders = held[h.key]
+            if ep is None or ep.id in holders:
+                return None
+            return ep if ep.id in joining or holders & moving else None
+
+        return home
+
+    async def _warm(
+        self, jobs: list[tuple[Endpoint, Hot]], held: set[str], leaving: frozenset[str]
+    ) -> None:
+        """Send the copies, ``concurrency`` at a time (those to a held joiner first);
+        the joiners take requests once their copies are answered (or ``timeout`` has
+        passed), the leaving endpoints none once all are."""
+        gate = asyncio.Semaphore(self.config.concurrency)
+        jobs = sorted(jobs, key=lambda job: job[0].id not in held)
+        tasks = [asyncio.ensure_future(self._one(gate, target, h)) for target, h in jobs]
+        to_held = [t for t, (target, _) in zip(tasks, jobs, strict=True) if target.id in held]
+        try:
+            if to_held:
+                await asyncio.wait(to_held, timeout=self.config.timeout)
+        finally:
+            self._held -= held
+            self._refresh()
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            self._left |= leaving & self.leaving
+            self._refresh()
+
+    async def _one(self, gate: asyncio.Semaphore, target: Endpoint, h: Hot) -> None:
+        config = self.config
+        body = warm_body(h.body)
+        if body is None:
+            return
+        metrics = self.state.metrics
+        async with gate:
+            outcome = "ok"
+            try:
+                async with asyncio.timeout(config.timeout):
+                    response = await self.pool.post(
+                        target.url,
+                        h.path,
+                        body,
+                        [(b"content-type", b"application/json")],
+                        connect_timeout=float(self.state.config.deadlines.connect),
+                        api_key=target.spec.api_key,
+                    )
+                    try:
+                        await response.read()
+                    finally:
+                        response.release()
+                    if response.status >= 400:
+                        outcome = "refused"
+            except Exception as exc:  # the engine's answer does not matter: count it
+                outcome = "failed"
+                log.info("warm request failed", endpoint=target.id, error=str(exc))
+        # Its prefix is cached there now: the index points at the new home.
         balancer = self.state.balancer
-        gate = asyncio.Semaphore(config.concurrency)
-        left = [len(jobs)]
-
-        def done() -> None:
-            left[0] -= 1
-            if left[0] <= 0:
-                self.excluded |= {leaving.id} & self.leaving
-
-        if not jobs:
-            done()
-
-        async def one(target: Endpoint, h: Hot) -> None:
-            body = warm_body(h.body)
-            metrics = self.state.metrics
-            if body is None:
-                done()
-                return
-            async with gate:
-                outcome = "ok"
-                try:
-                    async with asyncio.timeout(config.timeout):
-                        response = await self.pool.post(
-                            target.url,
-                            h.path,
-                            body,
-                            [(b"content-type", b"application/json")],
-                            connect_timeout=float(self.state.config.deadlines.connect),
-                            api_key=target.spec.api_key,
-                        )
-                        try:
-                            await response.read()
-                        finally:
-                            response.release()
-                        if response.status >= 400:
-                            outcome = "refused"
-                except Exception as exc:  # the engine's answer does not matter: count it
-                    outcome = "failed"
-                    log.info("warm request failed", endpoint=target.id, error=str(exc))
-            # Its prefix is cached there now: the index points at the new home.
-            if isinstance(balancer, CacheAware) and outcome == "ok":
-                balancer._record(target, h.prefix)
-            done()
-            metrics.child(metrics.warm_requests, h.model, outcome).inc()
-            metrics.child(metrics.warm_tokens, h.model).inc(h.tokens)
-
-        await asyncio.gather(*(one(homes[target], h) for target, h in jobs))
+        if isinstance(balancer, CacheAware) and outcome == "ok":
+            balancer._record(target, h.prefix)
+        metrics.child(metrics.warm_requests, h.model, outcome).inc()
+        metrics.child(metrics.warm_tokens, h.model).inc(h.tokens)
