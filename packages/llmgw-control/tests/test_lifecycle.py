@@ -89,6 +89,69 @@ def test_a_rollout_converges_and_keeps_enough_ready(
     assert min(counts) >= wanted - unavailable
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.lists(st.tuples(st.booleans(), st.floats(0, 100)), max_size=4),
+    st.lists(views, max_size=6),
+    st.integers(0, 2),
+    st.floats(0, 60),
+    st.floats(0, 200),
+)
+def test_min_ready_starts_nothing_while_a_new_replica_settles(
+    wanted: int,
+    new_ready: list[tuple[bool, float]],
+    old: list[ReplicaView],
+    surge: int,
+    min_ready: float,
+    now: float,
+) -> None:
+    new = [
+        ReplicaView(f"n{i}", ready=ready, ready_since=since)
+        for i, (ready, since) in enumerate(new_ready)
+    ]
+    step = rollout_step(wanted, new, old, surge, 1, now=now, min_ready=min_ready)
+    plain = rollout_step(wanted, new, old, surge, 1)
+    settling = [r for r in new if min_ready > 0 and r.ready and now - r.ready_since < min_ready]
+    if settling:
+        assert step.start == 0
+        if not step.drain and step.state == "waiting" and not any(r.failing for r in new):
+            assert "min_ready" in step.reason or "unplaced" in step.reason
+    else:
+        assert step.start == plain.start
+    # It paces starts only: the drains are those without it.
+    assert step.drain == plain.drain
+
+
+def test_min_ready_paces_a_rollout_one_step_at_a_time() -> None:
+    """4 replicas, surge 1: the next new replica starts only once the one before it has
+    been ready for min_ready; each gets ready 2 s after it starts."""
+    old = [ReplicaView(f"o{i}", ready=True, ready_since=0.0) for i in range(4)]
+    new: list[ReplicaView] = []
+    started: list[float] = []
+    starting: dict[str, float] = {}
+    for tick in range(200):
+        now = float(tick)
+        new = [
+            ReplicaView(r.replica_id, ready=True, ready_since=starting[r.replica_id] + 2)
+            if not r.ready and now >= starting[r.replica_id] + 2
+            else r
+            for r in new
+        ]
+        step = rollout_step(4, new, old, 1, 0, now=now, min_ready=10.0)
+        old = [r for r in old if r.replica_id not in step.drain]
+        for _ in range(step.start):
+            rid = f"n{len(new)}"
+            starting[rid] = now
+            started.append(now)
+            new.append(ReplicaView(rid, ready=False))
+        if not old and len(new) == 4 and all(r.ready for r in new):
+            break
+    assert not old
+    # Started at 0, then each 2 s to ready plus 10 s ready before the next.
+    assert started == [0.0, 12.0, 24.0, 36.0]
+
+
 # --- autoscale -----------------------------------------------------------------------------
 
 SPEC = ScaleSpec(min=1, max=6, metric="waiting", target=4.0, up_after=10.0, down_after=30.0)

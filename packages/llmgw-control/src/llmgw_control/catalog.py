@@ -72,6 +72,9 @@ class RolloutConfig(BaseConfig):
     max_surge: NonNegative = 1
     # ... and ready replicas that may be missing meanwhile.
     max_unavailable: NonNegative = 0
+    # No new replica is started while one started before it has been ready for less than
+    # this (the routers warm it meanwhile: one step's cache misses at a time; issue 28).
+    min_ready: Duration = Duration(0.0)
 
 
 class LoraConfig(BaseConfig):
@@ -168,6 +171,7 @@ class ProfileSpec:
     idle_after: float = 600.0
     max_surge: int = 1
     max_unavailable: int = 0
+    min_ready: float = 0.0
     # LoRA adapters the engine holds at once (0: it serves none), and how long one must
     # go unused before it is unloaded for another.
     max_loras: int = 0
@@ -463,6 +467,7 @@ def _check_profile(
         idle_after=float(profile.idle_after),
         max_surge=profile.rollout.max_surge,
         max_unavailable=profile.rollout.max_unavailable,
+        min_ready=float(profile.rollout.min_ready),
         max_loras=profile.lora.max_loras if profile.lora is not None else 0,
         lora_min_idle=float(profile.lora.min_idle) if profile.lora is not None else 10.0,
         spread=spread,

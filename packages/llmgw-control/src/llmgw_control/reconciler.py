@@ -172,6 +172,8 @@ class _Pass:
                 times.append(r.retry_at)
             elif not r.complete:
                 times.append(r.created_at + self.s.adopt_grace)
+            elif r.ready_since is not None and (p := self.catalog.get(r.model, r.profile)):
+                times.append(r.ready_since + p.min_ready)  # a rollout's next step
         # Strictly later than now: a time already passed was acted on in this pass.
         return min((t for t in times if t > self.now), default=float("inf"))
 
@@ -369,6 +371,8 @@ class _Pass:
                     [self._view(r) for r in old],
                     surge,
                     unavailable,
+                    now=self.now,
+                    min_ready=profile.min_ready,
                 )
                 count = step.start
                 by_id = {r.replica_id: r for r in old}

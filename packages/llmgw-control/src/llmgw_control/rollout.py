@@ -5,7 +5,9 @@ returns a step with the words status and ``explain`` show. The reconciler applie
 
 Rollout (a changed profile, :attr:`ProfileSpec.revision`): start new replicas while
 fewer than ``wanted`` are new and no more than ``wanted + max_surge`` exist; drain an
-old one while at least ``wanted - max_unavailable`` stay ready without it. A new
+old one while at least ``wanted - max_unavailable`` stay ready without it; and with
+``min_ready``, start none while a new replica has been ready for less than that (the
+routers warm each joining replica, and a step's misses stay apart from the next's). A new
 replica that fails stops the rollout: nothing more is started or drained, and the old
 replicas serve on. A change of the replica count alone is no rollout.
 """
@@ -49,6 +51,9 @@ def rollout_step(
     old: Sequence[ReplicaView],
     max_surge: int,
     max_unavailable: int,
+    *,
+    now: float = 0.0,
+    min_ready: float = 0.0,
 ) -> RolloutStep:
     """One step of replacing ``old`` replicas with ``new`` ones (of the current revision)."""
     failing = next((r for r in new if r.failing), None)
@@ -66,6 +71,11 @@ def rollout_step(
         return RolloutStep(0, (), "stopped", reason, progress)
     total = len(new) + len(old)
     start = max(0, min(wanted - len(new), wanted + max_surge - total))
+    settling = next(
+        (r for r in new if min_ready > 0 and r.ready and now - r.ready_since < min_ready), None
+    )
+    if settling is not None:
+        start = 0
     ready = new_ready + sum(r.ready for r in old)
     floor = wanted - max_unavailable
     drain: list[str] = []
@@ -85,6 +95,9 @@ def rollout_step(
             "waiting",
             f"new replica {waiting_on.replica_id} unplaced: {waiting_on.unplaced}",
         )
+    elif not drain and not start and settling is not None:
+        state = "waiting"
+        reason = f"new replica {settling.replica_id} ready for less than min_ready {min_ready:g}s"
     elif not drain and not start:
         state, reason = "waiting", "waiting for new replicas to be ready"
     else:
