@@ -217,6 +217,19 @@ def test_the_cache_size_in_tokens_each_engine_reports() -> None:
     assert engine_load(VLLM_BUSY, VLLM.load, shard_id="s", generation=1).cache_tokens == 0
     broken = info.replace('"1088"', '"None"')
     assert engine_load(VLLM_BUSY + broken, VLLM.load, shard_id="s", generation=1).cache_tokens == 0
+    # vLLM 0.32 on gemma-3 270M (sliding-window layers: 6 KV groups share the blocks): its
+    # own kv_cache_size_tokens, not blocks x block size (15,008).
+    hybrid = (
+        'vllm:cache_config_info{block_size="32",engine="0",kv_cache_size_tokens="2377",'
+        'num_gpu_blocks="469"} 1.0\n'
+    )
+    assert engine_load(VLLM_BUSY + hybrid, VLLM.load, shard_id="s", generation=1).cache_tokens == (
+        2377
+    )
+    unknown = hybrid.replace('"2377"', '"None"')
+    assert engine_load(VLLM_BUSY + unknown, VLLM.load, shard_id="s", generation=1).cache_tokens == (
+        469 * 32
+    )
     sglang = SGLANG_TEXT + 'sglang:max_total_num_tokens{model_name="m"} 471258.0\n'
     assert engine_load(sglang, SGLANG.load, shard_id="s", generation=1).cache_tokens == 471258
     ll = engine_load(LLAMACPP_TEXT, LLAMACPP.load, shard_id="s", generation=1)

@@ -81,8 +81,11 @@ def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
 
 
 def info_cache_tokens(text: str, name: str) -> int:
-    """The KV cache in tokens from an info metric's ``num_gpu_blocks`` and ``block_size``
-    labels (vLLM's ``cache_config_info``); 0 when absent or not numbers."""
+    """The KV cache in tokens from an info metric's labels (vLLM's ``cache_config_info``):
+    its ``kv_cache_size_tokens`` where given, else ``num_gpu_blocks`` x ``block_size``;
+    0 when absent or not numbers. A model with sliding-window layers (gemma-3) has its
+    layers in several KV groups sharing one pool of blocks: there the blocks hold several
+    times fewer prompt tokens than that product (469 blocks of 32 for 2,377 tokens)."""
     head = name + "{"
     for line in text.splitlines():
         if not line.startswith(head):
@@ -92,6 +95,10 @@ def info_cache_tokens(text: str, name: str) -> int:
             key, sep, value = part.partition("=")
             if sep:
                 labels[key.strip()] = value.strip().strip('"')
+        try:
+            return max(0, int(labels["kv_cache_size_tokens"]))
+        except (KeyError, ValueError):
+            pass
         try:
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
         except (KeyError, ValueError):
