@@ -102,3 +102,83 @@ def test_scale_down_warms_the_replica_that_inherits(cluster: Cluster) -> None:
         assert engine_metric(urls[kept], "vllm:request_success_total") == before + 16
 
     wait_for(lambda: len(cluster.replicas("chat")) == 1, timeout=60, what="one replica left")
+
+
+def test_a_rolling_update_warms_each_new_replica_before_it_takes_its_prefixes(
+    cluster: Cluster,
+) -> None:
+    """Two replicas roll to a new revision one at a time (max_surge 1, min_ready 15 s):
+    the first new replica is sent one-token copies of the prompts whose home it becomes
+    (the leaving replica's and the staying one's) before it takes them, so every
+    request it then serves hits its cache (without warming the staying replica's move
+    to it cold); and the next new replica waits until it has been ready for min_ready."""
+    cluster.timings["warm_before_drain"] = "4s"
+    rollout = {"max_surge": 1, "max_unavailable": 0, "min_ready": "15s"}
+    profile = vllm_profile(gpus=1, replicas=2, rollout=rollout)
+    cluster.start_control([{"name": "chat", "profiles": {"default": profile}}])
+    cluster.start_agent("gpu-a", gpus=3)
+    cluster.start_router(warming={"max_prefill_fraction": 1.0, "max_requests": 64})
+    old = {r["replica_id"] for r in cluster.wait_replicas("chat", 2)}
+    cluster.wait_router_models("chat")
+
+    with httpx.Client(timeout=60) as http:
+
+        def send(i: int) -> None:
+            r = http.post(
+                cluster.router_url + "/v1/completions",
+                json={"model": "chat", "prompt": prompt(i), "max_tokens": 2},
+            )
+            assert r.status_code == 200, r.text
+
+        for _ in range(3):
+            for i in range(16):
+                send(i)
+
+        config_path = cluster.workdir / "control.yaml"
+        config = json.loads(config_path.read_text())
+        config["models"][0]["profiles"]["default"]["env"]["LLMGW_SIM_REVISION"] = "2"
+        config_path.write_text(json.dumps(config, indent=2))
+        assert cluster.control is not None
+        cluster.control.signal(signal.SIGHUP)
+
+        def first_new() -> str | None:
+            for r in cluster.replicas("chat"):
+                if r["replica_id"] not in old and r["state"] == "ready":
+                    return str(r["endpoint"])
+            return None
+
+        url = wait_for(first_new, timeout=60, what="the first new replica ready")
+        wait_for(
+            lambda: router_metric(cluster, "llmgw_router_warm_requests_total") >= 1,
+            timeout=30,
+            what="warm requests sent",
+        )
+        # The next new replica waits: the first has been ready for less than min_ready.
+        wait_for(
+            lambda: any(
+                "min_ready" in str(r.get("reason", "")) for r in cluster.status()["rollouts"]
+            ),
+            timeout=30,
+            what="the rollout waiting for min_ready",
+        )
+        served = 0
+        cold: list[int] = []
+
+        def a_round_served_by_the_new_replica() -> bool:
+            nonlocal served
+            for i in range(16):
+                hits = engine_metric(url, "vllm:prefix_cache_hits_total")
+                queries = engine_metric(url, "vllm:prefix_cache_queries_total")
+                send(i)
+                asked = engine_metric(url, "vllm:prefix_cache_queries_total") - queries
+                if asked > 0:
+                    served += 1
+                    if engine_metric(url, "vllm:prefix_cache_hits_total") - hits < 0.8 * asked:
+                        cold.append(i)
+            return served > 0
+
+        wait_for(a_round_served_by_the_new_replica, timeout=60, what="a request on the new one")
+        assert not cold, f"prompts {cold} missed the new replica's cache"
+        # The copies were one token each and all answered.
+        warm = router_metric(cluster, "llmgw_router_warm_requests_total", outcome="ok")
+        assert warm == router_metric(cluster, "llmgw_router_warm_requests_total")
