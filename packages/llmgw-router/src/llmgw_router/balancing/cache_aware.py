@@ -33,11 +33,15 @@ class CacheAware(Balancer[L]):
       prefix held only away from its first choice (it spilled there) goes back once that
       one is no more loaded than the holder, so routers that placed it apart converge.
     - Demand: the share ``s`` of this router's last ``window`` picks that carried the
-      prefix's rendezvous block. A prefix that wants more than one endpoint's fair share,
-      ``need = ceil(s * n / (1 + epsilon)) > 1`` of the ``n`` endpoints, spreads over its
-      first ``need`` rendezvous choices and its holders, the least loaded of them first
-      (equals in turn): one hot prefix spreads over as many replicas as its load needs, in
-      the same order on every router.
+      prefix's rendezvous block. A prefix wants one endpoint per half an endpoint's fair
+      share, ``need = ceil(2 * s * n / (1 + epsilon))`` of the ``n`` endpoints; where
+      ``need > 1`` it spreads over its first ``need`` rendezvous choices and its holders,
+      the least loaded of them first (equals in turn): one hot prefix spreads over as
+      many replicas as its load needs, in the same order on every router. (Half, not a
+      whole share: an engine that takes a whole fair share from one prefix is busy with
+      it nearly all the time, and its requests wait for its steps while other engines
+      idle; with Zipf-skewed tenants the top one, a quarter of the picks over 4 engines,
+      kept one engine busy while others idled.)
     - Load: each candidate's ``load`` (the engine's running + waiting requests and KV use
       when read, corrected by this router's sends and completions since; or this router's
       own in-flight count when the engine's figures are unknown or stale). Where load
@@ -197,9 +201,10 @@ class CacheAware(Balancer[L]):
             else:
                 del counts[old]
                 self._keys_version += 1
-        # Until the window fills, as if the rest of it were other prefixes (16 at least),
-        # so the first requests of a run do not all look hot.
-        return counts[key] / max(len(recent), min(16, self.window))
+        # Until the window fills, as if the rest of it were other prefixes (32 at least:
+        # twice the floor of a whole share, as `need` counts half shares), so the first
+        # requests of a run do not all look hot.
+        return counts[key] / max(len(recent), min(32, self.window))
 
     # -------------------------------------------------------------- the pick
 
@@ -424,7 +429,7 @@ class CacheAware(Balancer[L]):
         miss = [size - min(size, h) for h in held]
         # Holders: the longer match first, equals in rendezvous order (sort is stable).
         holders = sorted((i for i in order if match[i]), key=lambda i: -match[i])
-        need = min(n, math.ceil(self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
+        need = min(n, math.ceil(2.0 * self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
         room: list[int | None] | None = None
         new = False
         if need > 1:
