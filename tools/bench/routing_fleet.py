@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import os
+import re
 import sys
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +20,8 @@ from benchlib import serving
 from llmgw_sim.metrics import parse_prometheus
 from llmgw_testkit import free_port, http_get, wait_for
 from llmgw_testkit.cluster import Cluster, vllm_profile
-from routing_workloads import MODEL, Shape
+from llmgw_testkit.serving_checks import engine_secret
+from routing_workloads import MODEL, Shape, make_words
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -37,6 +42,9 @@ ADMINS: list[int] = []
 CACHE_AWARE: dict[str, float] = {}
 # --precise: the tokenizer folder the engines and cache_aware+tokens load.
 TOKENIZER: list[str] = []
+# Other settings of llmgw's routers (--engine vllm: deadlines for prefills of a minute
+# and more on a busy two-core machine, which the defaults would count as failures).
+ROUTER_EXTRA: dict[str, object] = {}
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,126 @@ def llamacpp_fleet_up(
         yield cluster, sorted(str(r["endpoint"]) for r in replicas)
 
 
+VLLM_EXE = ROOT / ".cache" / "engines" / "vllm-0.32.0" / "bin" / "vllm"
+HF_MODEL = ROOT / ".cache" / "models" / "gemma3-270m-hf"
+
+
+def real_vllm_profile(args: argparse.Namespace) -> dict[str, object]:
+    """``--engines`` real vLLM (CPU) replicas of gemma-3 270M: prefix caching on (vLLM's
+    default), ``--kv-cache-memory-bytes`` each, one OpenMP thread each (unbound: the
+    kernel puts the two replicas on the two cores), the dev routes on so that the
+    bench can reset each replica's prefix cache between runs."""
+    return {
+        "engine": "vllm",
+        "model_ref": str(args.hf_model),
+        "engine_args": [
+            *("--kv-cache-memory-bytes", args.kv_cache_bytes),
+            *args.vllm_args.split(),
+        ],
+        "env": {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(args.cpu_threads),
+            # POST /reset_prefix_cache (not under /v1: the agent's key does not guard it).
+            "VLLM_SERVER_DEV_MODE": "1",
+        },
+        "gpus_per_node": 0,
+        "served_model_names": [MODEL],
+        "replicas": args.engines,
+        "load_timeout": "900s",
+    }
+
+
+@contextlib.contextmanager
+def vllm_fleet_up(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[Cluster, list[str]]]:
+    """``--engines`` real vLLM (CPU) replicas launched by ``llmgw-agent`` under
+    ``llmgw-control`` (tests-real-vllm's way), started once for every run of the bench:
+    a start costs minutes on two cores, so the runs reset the prefix caches instead."""
+    exe, model = Path(args.vllm), Path(args.hf_model)
+    if not exe.exists() or not (model / "config.json").exists():
+        raise SystemExit(
+            f"bench_routing --engine vllm: no vLLM at {exe} or model at {model} "
+            "(run `nox -s real_vllm -- -k nothing` once, or pass --vllm and --hf-model)"
+        )
+    # The agent reads the engine's version and help in its own environment: vllm-cpu
+    # dies of SIGILL at import on this CPU without it.
+    saved = os.environ.get("VLLM_TARGET_DEVICE")
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    timings = {"load_interval": "250ms", "unreachable_after": "20s", "lost_after": "900s"}
+    try:
+        with Cluster(workdir, insecure=True, timings=timings) as cluster:
+            cluster.start_control([{"name": MODEL, "profiles": {"cpu": real_vllm_profile(args)}}])
+            cluster.start_agent(
+                "cpu-0",
+                simulate_gpus=None,
+                engines={"vllm": {"command": [str(exe)]}},
+                stop_engines_on_exit=True,
+                stop_grace="30s",
+            )
+            replicas = cluster.wait_replicas(MODEL, args.engines, timeout=900)
+            for replica in replicas:
+                # The first request of an engine is slow (its warm-up): not measured.
+                (shard,) = replica["shards"]
+                _warm(str(replica["endpoint"]), engine_secret(shard["pid"], "VLLM_API_KEY"))
+            yield cluster, sorted(str(r["endpoint"]) for r in replicas)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_TARGET_DEVICE", None)
+        else:
+            os.environ["VLLM_TARGET_DEVICE"] = saved
+
+
+def real_bytes_per_token(args: argparse.Namespace) -> float:
+    """The tenants' system prompt's bytes per token of the model's own tokenizer (what
+    cache_aware's ``bytes_per_token`` is for: an engine's cache in tokens as bytes)."""
+    from tokenizers import Tokenizer
+
+    sample = " " + make_words("t10", args.shape.system)
+    tokens = Tokenizer.from_file(str(Path(args.hf_model) / "tokenizer.json")).encode(sample)
+    return round(len(sample.encode()) / len(tokens.ids), 2)
+
+
+def vllm_caches(engines: Sequence[str]) -> list[str]:
+    """Each engine's KV cache as it reports it (``vllm:cache_config_info``)."""
+    out = []
+    for url in engines:
+        _, body = http_get(url + "/metrics", timeout=10)
+        lines = body.decode().splitlines()
+        line = [x for x in lines if x.startswith("vllm:cache_config_info")]
+        info = dict(re.findall(r'(\w+)="([^"]*)"', line[0])) if line else {}
+        out.append(
+            f"{info.get('kv_cache_size_tokens', '?')} tokens ({info.get('num_gpu_blocks', '?')} "
+            f"blocks of {info.get('block_size', '?')} shared by the KV groups)"
+        )
+    return out
+
+
+def _warm(url: str, key: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        resp.read()
+
+
+def reset_prefix_caches(engines: Sequence[str]) -> None:
+    """Empty every engine's prefix cache (vLLM's dev route), so that no run inherits the
+    previous run's cached prompts; vLLM refuses while blocks are held: retried."""
+
+    def reset(url: str) -> bool:
+        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return bool(json.loads(resp.read()).get("success"))
+
+    for url in engines:
+        wait_for(functools.partial(reset, url), timeout=60, what=f"{url}: prefix cache reset")
+
+
 def _router_endpoints(admin: int) -> list[dict[str, object]]:
     status, body = http_get(f"http://127.0.0.1:{admin}/v1/endpoints", timeout=5)
     return list(json.loads(body)["endpoints"]) if status == 200 else []
@@ -262,6 +390,7 @@ def router_up(
                                 else {}
                             ),
                             **source,
+                            **ROUTER_EXTRA,
                         }
                     )
                 )

@@ -25,6 +25,7 @@ from routing_fleet import (
     engine_samples,
     fleet_up,
     llamacpp_fleet_up,
+    reset_prefix_caches,
     router_up,
     sum_metric,
 )
@@ -58,9 +59,13 @@ async def _one(
 
 
 async def drive(
-    urls: Sequence[str], bodies: Sequence[bytes], times: Sequence[float], warm: int
+    urls: Sequence[str],
+    bodies: Sequence[bytes],
+    times: Sequence[float],
+    warm: int,
+    patience: float = 120.0,
 ) -> tuple[list[float | None], float]:
-    timeout = aiohttp.ClientTimeout(total=120)
+    timeout = aiohttp.ClientTimeout(total=patience)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.monotonic() + 0.2
@@ -135,7 +140,11 @@ def run_one(
     result.loadavg = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     with contextlib.ExitStack() as stack:
         cluster: Cluster | None = None
-        if args.engine == "llamacpp":
+        if args.engine == "vllm":
+            # One fleet for every run (bench_routing starts it): its caches emptied.
+            cluster, engines = args.vllm_fleet
+            reset_prefix_caches(engines)
+        elif args.engine == "llamacpp":
             workdir = Path(tempfile.mkdtemp(prefix="run-", dir=logs))
             cluster, engines = stack.enter_context(llamacpp_fleet_up(args, workdir))
             # The engine's first prompt (its warm-up) is not what is measured.
@@ -169,7 +178,9 @@ def run_one(
 
                 # In a thread: the load generator's loop must not wait on the scrape.
                 loop.call_later(start_at, lambda: loop.run_in_executor(None, mark))
-            return await drive(urls, bodies, times, warm)
+            # Real CPU engines on a busy machine: a request may wait minutes; kept.
+            patience = 900.0 if args.engine == "vllm" else 120.0
+            return await drive(urls, bodies, times, warm, patience)
 
         stop = threading.Event()
         watcher = threading.Thread(
