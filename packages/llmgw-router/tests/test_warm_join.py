@@ -190,3 +190,24 @@ async def test_a_joiner_with_nothing_to_warm_takes_requests_at_once() -> None:
     swap(state, [spec("a"), spec("b"), spec("new")])
     assert warmer.excluded == frozenset()
     assert not warmer._tasks
+
+
+def test_a_steps_budget_goes_to_the_leaving_endpoints_prompts_first() -> None:
+    """A rollout's step with a budget for a few prompts: the leaving endpoint's (they move
+    for certain) are planned before those a joiner would only pull."""
+    ids = ["a", "b", "c"]
+    # Each prompt ~106 tokens; "a" sent 20 of them: a budget of ~0.15 * 2,120, 3 prompts.
+    state, warmer = fleet(ids, _Pool(), {"max_prefill_fraction": 0.15})
+    for key in range(60):
+        # The others' prompts sent more often: used most, yet they do not go first.
+        for _ in range(1 if key % 3 == 0 else 3):
+            warmer.recent.note(ids[key % 3], _Ctx(key, 400))  # type: ignore[arg-type]
+    swap(state, [spec("a", leaving=True), spec("b"), spec("c"), spec("new")])
+    staying = ["b", "c", "new"]
+    moving_a = list(range(0, 60, 3))
+    pulled = [k for k in range(60) if k % 3 and first_choice(state, staying, k) == "new"]
+    assert len(moving_a) > 3
+    assert pulled
+    jobs = warmer._change_plan([state.endpoints.by_id["new"]], [state.endpoints.by_id["a"]])
+    assert 1 <= len(jobs) <= 3
+    assert all(h.key % 3 == 0 for _, h in jobs), [h.key for _, h in jobs]

@@ -330,7 +330,11 @@ class Warmer:
         return first
 
     def _planned(
-        self, hot: Sequence[Hot], home: Callable[[Hot], Endpoint | None], budget: int
+        self,
+        hot: Sequence[Hot],
+        home: Callable[[Hot], Endpoint | None],
+        budget: int,
+        already: int = 0,
     ) -> list[tuple[Endpoint, Hot]]:
         homes: dict[str, Endpoint] = {}
 
@@ -342,7 +346,13 @@ class Warmer:
             return ep.id
 
         config = self.config
-        jobs = plan(hot, self.leaving, target, max_requests=config.max_requests, max_tokens=budget)
+        jobs = plan(
+            hot,
+            self.leaving,
+            target,
+            max_requests=max(0, config.max_requests - already),
+            max_tokens=max(0, budget),
+        )
         return [(homes[t], h) for t, h in jobs]
 
     def _change_plan(
@@ -352,7 +362,7 @@ class Warmer:
         endpoint joined or began leaving: the prompts sampled on the pool's endpoints
         (merged), each warmed on its new home (the first of the ranking of the staying
         endpoints) where it moves there: sampled on a leaving endpoint, or its new home
-        a joiner; not where that home holds it already. One budget for the lot: the
+        a joiner; not where that home holds it already; the leaving endpoints' first. One budget for the lot: the
         leaving endpoints' ``max_prefill_fraction`` of what they were sent lately (a
         rolling update's step, a joiner and a leaving one, costs what a drain does), or
         with none leaving, that of the mean staying endpoint per joiner."""
@@ -390,7 +400,13 @@ class Warmer:
                 mean = sum(recent.recent_prefill(ep.id) for ep in staying) / max(1, len(staying))
                 budget = fraction * mean * len(joins)
             home = self._mover((leaves or joins)[0], held, joining, moving)
-            planned = self._planned(hot, home, int(budget))
+            # A leaving endpoint's prompts first: they move for certain, where a prompt
+            # held elsewhere moves to a joiner only once cache_aware sends it back there.
+            first = [h for h in hot if held[h.key] & moving]
+            planned = self._planned(first, home, int(budget))
+            spent = sum(h.tokens for _, h in planned)
+            rest = [h for h in hot if not held[h.key] & moving]
+            planned += self._planned(rest, home, int(budget) - spent, len(planned))
             log.info(
                 "warming",
                 joining=sorted(joining),
