@@ -400,8 +400,9 @@ class Warmer:
                 mean = sum(recent.recent_prefill(ep.id) for ep in staying) / max(1, len(staying))
                 budget = fraction * mean * len(joins)
             home = self._mover((leaves or joins)[0], held, joining, moving)
-            # A leaving endpoint's prompts first: they move for certain, where a prompt
-            # held elsewhere moves to a joiner only once cache_aware sends it back there.
+            # A leaving endpoint's prompts first: they all move, where a prompt held
+            # elsewhere moves to a joiner where cache_aware sends it back there (or no
+            # longer remembers its holder).
             first = [h for h in hot if held[h.key] & moving]
             planned = self._planned(first, home, int(budget))
             spent = sum(h.tokens for _, h in planned)
