@@ -57,7 +57,9 @@ class Router:
 
 def start_router(cluster: Cluster, name: str) -> Router:
     port, admin_port = free_port(), free_port()
-    config = cluster.router_config(cache_aware={"shared_homes": True})
+    # One worker: the admin view is that worker's balancer (each worker of a router
+    # shares its own prefixes, under its own router id).
+    config = cluster.router_config(cache_aware={"shared_homes": True}, workers=1)
     config["listen"] = f"127.0.0.1:{port}"
     config["admin_listen"] = f"127.0.0.1:{admin_port}"
     config["control"]["router_id"] = name
@@ -69,15 +71,17 @@ def start_router(cluster: Cluster, name: str) -> Router:
     wait_for(
         lambda: _endpoints(router) >= 2 or not proc.alive(),
         timeout=90,
-        what=f"router {name} with both engines",
+        what=f"router {name} with both engines ready",
     )
     assert proc.alive(), f"router {name} exited:\n{proc.tail()}"
     return router
 
 
 def _endpoints(router: Router) -> int:
+    """Endpoints the router may pick now (a prompt goes through the balancer's prefix
+    rules only where there are two)."""
     try:
-        return len(router.admin()["endpoints"])
+        return sum(1 for ep in router.admin()["endpoints"] if ep["state"] == "ready")
     except (httpx.HTTPError, ValueError, KeyError):
         return 0
 

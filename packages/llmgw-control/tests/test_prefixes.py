@@ -32,15 +32,20 @@ from llmgw_testkit import free_port
 LEADER = "127.0.0.1:7171"
 
 keys = st.dictionaries(
-    st.integers(0, 2**64 - 1), st.tuples(st.integers(0, 1000), st.integers(0, 1000)), max_size=8
+    st.integers(0, 2**64 - 1),
+    st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.sampled_from(["", "e0", "e1", "e2"])),
+    max_size=8,
 )
 reports = st.lists(st.dictionaries(st.sampled_from(["", "a", "b"]), keys, max_size=3), max_size=5)
 
 
-def test_merge_takes_the_smallest_known_size_and_sums_the_counts() -> None:
-    a: Prefixes = {"chat": {1: (8, 3), 2: (4, 1), 3: (0, 1)}}
-    b: Prefixes = {"chat": {1: (12, 2), 2: (0, 1)}, "code": {9: (4, 5)}}
-    assert merge([a, b]) == {"chat": {1: (8, 5), 2: (4, 2), 3: (0, 1)}, "code": {9: (4, 5)}}
+def test_merge_takes_the_smallest_known_size_sums_the_counts_and_the_most_named_holder() -> None:
+    a: Prefixes = {"chat": {1: (8, 3, "e1"), 2: (4, 1, "e2"), 3: (0, 1, "")}}
+    b: Prefixes = {"chat": {1: (12, 2, "e0"), 2: (0, 1, "e0")}, "code": {9: (4, 5, "")}}
+    assert merge([a, b]) == {
+        "chat": {1: (8, 5, "e1"), 2: (4, 2, "e0"), 3: (0, 1, "")},
+        "code": {9: (4, 5, "")},
+    }
     assert merge([]) == {}
 
 
@@ -52,15 +57,20 @@ def test_merge_is_the_union_whatever_the_order(rs: list[Prefixes]) -> None:
     for model in {m for r in rs for m in r}:
         seen = [r[model] for r in rs if model in r]
         assert set(out[model]) == {k for s in seen for k in s}
-        for key, (size, count) in out[model].items():
+        for key, (size, count, holder) in out[model].items():
             known = [s[key][0] for s in seen if key in s and s[key][0]]
             assert size == (min(known) if known else 0)
             assert count == sum(s[key][1] for s in seen if key in s)
+            tally: dict[str, int] = {}
+            for s in seen:
+                if key in s and s[key][2]:
+                    tally[s[key][2]] = tally.get(s[key][2], 0) + max(1, s[key][1])
+            assert holder == (min(tally, key=lambda h: (-tally[h], h)) if tally else "")
     # Merging the merged again with nothing changes nothing; a report merged with
     # itself doubles the counts only.
     assert merge([out]) == out
     twice = merge([out, out])
-    assert {m: {k: (s, 2 * c) for k, (s, c) in ks.items()} for m, ks in out.items()} == twice
+    assert {m: {k: (s, 2 * c, h) for k, (s, c, h) in ks.items()} for m, ks in out.items()} == twice
 
 
 @settings(deadline=None)
@@ -92,16 +102,16 @@ def test_the_wire_form_carries_every_key(rs: list[Prefixes]) -> None:
 
 def test_the_book_expires_reports_and_bounds_the_routers() -> None:
     book = PrefixBook(fresh=10.0, max_routers=2, recompute=0.0)
-    book.report("ra", {"": {1: (8, 2)}}, at=0.0)
-    book.report("rb", {"": {2: (4, 1)}}, at=5.0)
-    assert book.union(6.0) == {"": {1: (8, 2), 2: (4, 1)}}
+    book.report("ra", {"": {1: (8, 2, "e0")}}, at=0.0)
+    book.report("rb", {"": {2: (4, 1, "")}}, at=5.0)
+    assert book.union(6.0) == {"": {1: (8, 2, "e0"), 2: (4, 1, "")}}
     # ra's report is 10 s old at 10.0: gone.
-    assert book.union(10.0) == {"": {2: (4, 1)}}
+    assert book.union(10.0) == {"": {2: (4, 1, "")}}
     assert len(book) == 1
     # A third router over max_routers: the least recently heard from goes.
-    book.report("rc", {"": {3: (4, 1)}}, at=11.0)
-    book.report("rb", {"": {2: (4, 1)}}, at=12.0)
-    book.report("rd", {"": {4: (4, 1)}}, at=13.0)
+    book.report("rc", {"": {3: (4, 1, "")}}, at=11.0)
+    book.report("rb", {"": {2: (4, 1, "")}}, at=12.0)
+    book.report("rd", {"": {4: (4, 1, "")}}, at=13.0)
     assert len(book) == 2
     assert set(book.union(13.0)[""]) == {2, 4}
     assert book.union(30.0) == {}
@@ -109,11 +119,11 @@ def test_the_book_expires_reports_and_bounds_the_routers() -> None:
 
 def test_the_union_is_computed_again_at_most_every_recompute_seconds() -> None:
     book = PrefixBook(recompute=1.0)
-    book.report("ra", {"": {1: (8, 1)}}, at=0.0)
-    assert book.union(0.0) == {"": {1: (8, 1)}}
-    book.report("rb", {"": {2: (8, 1)}}, at=0.5)
-    assert book.union(0.5) == {"": {1: (8, 1)}}
-    assert book.union(1.0) == {"": {1: (8, 1), 2: (8, 1)}}
+    book.report("ra", {"": {1: (8, 1, "")}}, at=0.0)
+    assert book.union(0.0) == {"": {1: (8, 1, "")}}
+    book.report("rb", {"": {2: (8, 1, "")}}, at=0.5)
+    assert book.union(0.5) == {"": {1: (8, 1, "")}}
+    assert book.union(1.0) == {"": {1: (8, 1, ""), 2: (8, 1, "")}}
 
 
 @pytest.mark.parametrize(
@@ -147,12 +157,13 @@ async def _serve(
     return server, grpclib.client.Channel("127.0.0.1", port)
 
 
-def _report(router_id: str, *pairs: tuple[int, int, int]) -> v1.PrefixReport:
+def _report(router_id: str, *keys: tuple[int, int, int, str]) -> v1.PrefixReport:
     return v1.PrefixReport(
         router_id=router_id,
         models=[
             v1.ModelPrefixes(
-                model="", keys=[v1.PrefixKey(key=k, size=s, count=c) for k, s, c in pairs]
+                model="",
+                keys=[v1.PrefixKey(key=k, size=s, count=c, holder=h) for k, s, c, h in keys],
             )
         ],
     )
@@ -163,12 +174,12 @@ async def test_two_routers_reports_come_back_merged_over_grpc() -> None:
     server, channel = await _serve([share])
     try:
         stub = v1.EndpointServiceStub(channel)
-        first = await stub.share_prefixes(_report("ra", (2**64 - 1, 8, 3), (7, 4, 1)))
+        first = await stub.share_prefixes(_report("ra", (2**64 - 1, 8, 3, "e1"), (7, 4, 1, "e1")))
         assert first.routers == 1
-        second = await stub.share_prefixes(_report("rb", (7, 12, 2), (9, 4, 1)))
+        second = await stub.share_prefixes(_report("rb", (7, 12, 2, "e2"), (9, 4, 1, "")))
         assert second.routers == 2
-        got = {k.key: (k.size, k.count) for m in second.models for k in m.keys}
-        assert got == {2**64 - 1: (8, 3), 7: (4, 3), 9: (4, 1)}
+        got = {k.key: (k.size, k.count, k.holder) for m in second.models for k in m.keys}
+        assert got == {2**64 - 1: (8, 3, "e1"), 7: (4, 3, "e2"), 9: (4, 1, "")}
         with pytest.raises(GRPCError) as err:
             await stub.share_prefixes(v1.PrefixReport(router_id=""))
         assert err.value.status == grpclib.const.Status.INVALID_ARGUMENT
@@ -184,7 +195,7 @@ async def test_a_standby_refuses_with_the_leaders_address() -> None:
     server, channel = await _serve([LeaderGate([share], lambda: False, lambda: LEADER)])
     try:
         with pytest.raises(GRPCError) as err:
-            await v1.EndpointServiceStub(channel).share_prefixes(_report("ra", (1, 4, 1)))
+            await v1.EndpointServiceStub(channel).share_prefixes(_report("ra", (1, 4, 1, "")))
         assert err.value.status == grpclib.const.Status.UNAVAILABLE
         assert f"the leader is {LEADER}" in str(err.value.message)
         assert len(share.book) == 0

@@ -24,18 +24,21 @@ def tenant(t: int, tail: int) -> tuple[int, ...]:
     return (*head, -(t + 1) * 1_000_003 - 7 * tail)
 
 
-def fleet(*routers: CacheAware[Cand]) -> dict[int, tuple[int, int]]:
+def fleet(*routers: CacheAware[Cand], holders: bool = True) -> dict[int, tuple[int, int, str]]:
     """The routers' recent keys merged as the control plane merges them (the smallest
-    known size, the counts summed)."""
-    out: dict[int, tuple[int, int]] = {}
+    known size, the counts summed, the holder of the most counts); ``holders=False``:
+    as if no router named where it sent them."""
+    out: dict[int, tuple[int, int, str]] = {}
     for r in routers:
-        for key, (size, count) in r.recent_keys().items():
+        for key, (size, count, holder) in r.recent_keys().items():
+            holder = holder if holders else ""
             was = out.get(key)
             if was is None:
-                out[key] = (size, count)
+                out[key] = (size, count, holder)
             else:
                 least = min(was[0], size) if was[0] and size else was[0] or size
-                out[key] = (least, was[1] + count)
+                more = holder if holder and (count > was[1] or not was[2]) else was[2]
+                out[key] = (least, was[1] + count, more)
     return out
 
 
@@ -68,7 +71,10 @@ def test_recent_keys_give_each_prefix_its_size_and_count() -> None:
     keys = balancer.recent_keys()
     assert len(keys) == 2
     # What the two prompts share (40 blocks, rounded up to 4) and two picks each.
-    assert sorted(keys.values()) == [(SIZE, 2), (SIZE, 2)]
+    assert sorted(v[:2] for v in keys.values()) == [(SIZE, 2), (SIZE, 2)]
+    # And where this router last sent each.
+    assert {v[2] for v in keys.values()} <= {c.id for c in ready}
+    assert all(v[2] for v in keys.values())
 
 
 def test_two_routers_with_different_halves_agree_once_they_share_the_fleets_keys() -> None:
@@ -82,7 +88,8 @@ def test_two_routers_with_different_halves_agree_once_they_share_the_fleets_keys
     see(b, ready_b, range(1, tenants, 2))
     # Each from its own half: they disagree (what 4 routers measured: 81-89 % hits).
     assert homes(a, ready_a, tenants) != homes(b, ready_b, tenants)
-    shared = fleet(a, b)
+    # The fleet's keys without holders: the rule places every one of them alike.
+    shared = fleet(a, b, holders=False)
     assert len(shared) == tenants
     a.share_keys(shared)
     b.share_keys(shared)
@@ -95,16 +102,33 @@ def test_two_routers_with_different_halves_agree_once_they_share_the_fleets_keys
     assert homes(a, ready_a, tenants) != agreed
 
 
+def test_a_prefix_the_fleet_holds_has_its_home_where_it_is() -> None:
+    tenants = 12
+    a, b = CacheAware[Cand](shared_homes=True), CacheAware[Cand](shared_homes=True)
+    ready_a, ready_b = cands(), cands()
+    see(a, ready_a, range(0, tenants, 2))
+    see(b, ready_b, range(1, tenants, 2))
+    sent = {t: (a if t % 2 == 0 else b).choose(ready_a, usable, None, tenant(t, 5), at=0.0)
+            for t in range(tenants)}  # fmt: skip
+    shared = fleet(a, b)
+    a.share_keys(shared)
+    b.share_keys(shared)
+    held = homes(a, ready_a, tenants)
+    assert held == homes(b, ready_b, tenants)
+    # Each tenant's home is the engine the router that saw it sent it to.
+    assert held == {t: p.endpoint.id for t, p in sent.items() if p.endpoint is not None}
+
+
 def test_the_fleets_size_is_used_where_this_router_has_none() -> None:
     balancer = CacheAware[Cand](shared_homes=True)
     ready = cands()
     see(balancer, ready, [0])
     # Keys this router never saw, each with the fleet's size: twelve of 40 blocks
     # cannot all sit at their first choices; with no size (1 block each) they can.
-    others = {tenant(t, 0)[7]: (SIZE, 1) for t in range(1, 12)}
+    others = {tenant(t, 0)[7]: (SIZE, 1, "") for t in range(1, 12)}
     balancer.share_keys(others)
     tight = homes(balancer, ready, 12)
-    balancer.share_keys(dict.fromkeys(others, (0, 1)))
+    balancer.share_keys(dict.fromkeys(others, (0, 1, "")))
     loose = homes(balancer, ready, 12)
     assert sorted(Counter(tight.values()).values()) == [3, 3, 3, 3]
     assert max(Counter(loose.values()).values()) > 3
@@ -122,9 +146,10 @@ def test_any_split_of_the_tenants_agrees_with_the_same_fleet_keys(
     readies = [cands() for _ in range(routers)]
     for r, balancer in enumerate(balancers):
         see(balancer, readies[r], parts[r])
-    shared = fleet(*balancers)
-    for balancer in balancers:
-        balancer.share_keys(shared)
-    first = homes(balancers[0], readies[0], tenants)
-    for r in range(1, routers):
-        assert homes(balancers[r], readies[r], tenants) == first
+    for holders in (False, True):
+        shared = fleet(*balancers, holders=holders)
+        for balancer in balancers:
+            balancer.share_keys(shared)
+        first = homes(balancers[0], readies[0], tenants)
+        for r in range(1, routers):
+            assert homes(balancers[r], readies[r], tenants) == first

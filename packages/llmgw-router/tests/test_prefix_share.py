@@ -24,15 +24,19 @@ from llmgw_testkit.candidates import Cand, usable
 @settings(deadline=None)
 @given(
     st.dictionaries(
-        st.integers(0, 2**64 - 1), st.tuples(st.integers(0, 99), st.integers(1, 99)), max_size=30
+        st.integers(0, 2**64 - 1),
+        st.tuples(st.integers(0, 99), st.integers(1, 99), st.sampled_from(["", "e1"])),
+        max_size=30,
     ),
     st.integers(0, 40),
 )
-def test_a_report_keeps_the_largest_counts(keys: dict[int, tuple[int, int]], limit: int) -> None:
+def test_a_report_keeps_the_largest_counts(
+    keys: dict[int, tuple[int, int, str]], limit: int
+) -> None:
     out = report_keys(keys, limit)
     assert len(out) == min(limit, len(keys))
-    assert {k.key: (k.size, k.count) for k in out}.items() <= keys.items()
-    dropped = [c for key, (_, c) in keys.items() if key not in {k.key for k in out}]
+    assert {k.key: (k.size, k.count, k.holder) for k in out}.items() <= keys.items()
+    dropped = [c for key, (_, c, _) in keys.items() if key not in {k.key for k in out}]
     if out:
         assert all(c <= min(k.count for k in out) for c in dropped)
 
@@ -40,12 +44,12 @@ def test_a_report_keeps_the_largest_counts(keys: dict[int, tuple[int, int]], lim
 def test_the_replys_models_are_merged_into_one_set() -> None:
     reply = PrefixSet(
         models=[
-            ModelPrefixes(model="a", keys=[PrefixKey(key=1, size=8, count=2)]),
-            ModelPrefixes(model="b", keys=[PrefixKey(key=1, size=0, count=1)]),
+            ModelPrefixes(model="a", keys=[PrefixKey(key=1, size=8, count=2, holder="e1")]),
+            ModelPrefixes(model="b", keys=[PrefixKey(key=1, size=0, count=1, holder="e2")]),
             ModelPrefixes(model="b", keys=[PrefixKey(key=2, size=4, count=1)]),
         ]
     )
-    assert fleet_keys(reply) == {1: (8, 3), 2: (4, 1)}
+    assert fleet_keys(reply) == {1: (8, 3, "e1"), 2: (4, 1, "")}
 
 
 class StandIn:
@@ -77,7 +81,7 @@ async def test_the_fleets_keys_reach_the_balancer_and_go_with_the_session() -> N
     ready = [Cand(f"e{i}", cache_blocks=100) for i in range(2)]
     prompt = tuple(range(1, 21))
     balancer.choose(ready, usable, None, prompt, at=0.0)
-    stand_in = StandIn([PrefixKey(key=77, size=12, count=5)])
+    stand_in = StandIn([PrefixKey(key=77, size=12, count=5, holder="e1")])
     server = grpclib.server.Server([stand_in])
     port = free_port()
     await server.start("127.0.0.1", port)
@@ -93,7 +97,8 @@ async def test_the_fleets_keys_reach_the_balancer_and_go_with_the_session() -> N
         report = stand_in.reports[0]
         assert report.router_id == "r1"
         assert [k.key for m in report.models for k in m.keys] == list(balancer.recent_keys())
-        assert balancer.fleet_keys()[77] == (12, 5)
+        assert balancer.fleet_keys()[77] == (12, 5, "e1")
+        assert report.models[0].keys[0].holder in ("e0", "e1")
         assert sharer.routers == 2
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -4,16 +4,18 @@ Several routers in front of one fleet running cache_aware with ``shared_homes`` 
 each prefix's home by a rule that needs the set of recent prefixes (each by its
 rendezvous block's hash and its size in blocks). A router that sees only its part of
 the traffic computes the homes from its part, and routers that saw different parts
-disagree. Every second or so each router reports the prefixes of its recent picks; the
-reply is the union of every router's report still fresh, so that all compute the homes
-from the same fleet-wide set.
+disagree. Every second or so each router reports the prefixes of its recent picks (and
+the endpoint it last sent each to); the reply is the union of every router's report
+still fresh, so that all compute the homes from the same fleet-wide set, and a prefix
+already held goes where most of its requests went.
 
 :func:`merge` and :class:`PrefixBook` are pure (the book is given the time); the
 handler is :class:`PrefixShare`. Bounded: a report holds at most :data:`MAX_KEYS` keys
 over at most :data:`MAX_MODELS` models (more is refused, naming what is over), the book
 keeps one report per router for :data:`MAX_ROUTERS` routers (the least recently heard
 from is dropped first) and forgets a report :data:`FRESH` seconds after it came; the
-union (each key's smallest known size, its counts summed) keeps at most :data:`MAX_UNION` keys, those with the largest counts.
+union (each key's smallest known size, its counts summed, the holder most of them
+name) keeps at most :data:`MAX_UNION` keys, those with the largest counts.
 """
 
 from __future__ import annotations
@@ -54,28 +56,36 @@ MAX_MODEL = 1024
 # otherwise cost every router's keys again.
 RECOMPUTE = 0.25
 
-# model -> key -> (size in blocks, count)
-Prefixes = dict[str, dict[int, tuple[int, int]]]
+# model -> key -> (size in blocks, count, holder: an endpoint id or "")
+Prefixes = dict[str, dict[int, tuple[int, int, str]]]
 
 
-def merge(reports: Iterable[Mapping[str, Mapping[int, tuple[int, int]]]]) -> Prefixes:
+def merge(reports: Iterable[Mapping[str, Mapping[int, tuple[int, int, str]]]]) -> Prefixes:
     """The union of ``reports``, per model: each key with the smallest size any report
-    gives it (0, not known, only where none knows it) and the sum of its counts.
+    gives it (0, not known, only where none knows it), the sum of its counts, and the
+    holder the most of its counts name (equal: the smaller id; "" where none names one).
 
-    The smallest: a router's size for a prefix is what its last two prompts with it
+    The smallest size: a router's size for a prefix is what its last two prompts with it
     share, but the whole prompt (its own tail too) while it has seen only one; the
     smallest is the part the tenant's prompts share."""
     out: Prefixes = {}
+    votes: dict[tuple[str, int], dict[str, int]] = {}
     for report in reports:
         for model, keys in report.items():
             into = out.setdefault(model, {})
-            for key, (size, count) in keys.items():
+            for key, (size, count, holder) in keys.items():
                 was = into.get(key)
                 if was is None:
-                    into[key] = (size, count)
+                    into[key] = (size, count, holder)
                 else:
                     least = min(was[0], size) if was[0] and size else was[0] or size
-                    into[key] = (least, was[1] + count)
+                    into[key] = (least, was[1] + count, was[2])
+                if holder:
+                    tally = votes.setdefault((model, key), {})
+                    tally[holder] = tally.get(holder, 0) + max(1, count)
+    for (model, key), tally in votes.items():
+        size, count, _ = out[model][key]
+        out[model][key] = (size, count, min(tally, key=lambda h: (-tally[h], h)))
     return out
 
 
@@ -86,13 +96,13 @@ def bounded(prefixes: Prefixes, limit: int) -> Prefixes:
     if total <= limit:
         return prefixes
     ranked = sorted(
-        ((count, model, key, size) for model, keys in prefixes.items()
-         for key, (size, count) in keys.items()),
+        ((count, model, key, size, holder) for model, keys in prefixes.items()
+         for key, (size, count, holder) in keys.items()),
         key=lambda r: (-r[0], r[2], r[1]),
     )  # fmt: skip
     out: Prefixes = {}
-    for count, model, key, size in ranked[:limit]:
-        out.setdefault(model, {})[key] = (size, count)
+    for count, model, key, size, holder in ranked[:limit]:
+        out.setdefault(model, {})[key] = (size, count, holder)
     return out
 
 
@@ -107,6 +117,9 @@ def report_problem(report: v1.PrefixReport) -> str | None:
         if len(m.model) > MAX_MODEL:
             return f"models[{i}].model: at most {MAX_MODEL} characters, got {len(m.model)}"
         keys += len(m.keys)
+        for k in m.keys:
+            if len(k.holder) > MAX_ID:
+                return f"models[{i}].keys[{k.key}].holder: at most {MAX_ID} characters"
     if keys > MAX_KEYS:
         return f"models[].keys: at most {MAX_KEYS} keys in all, got {keys}"
     return None
@@ -114,7 +127,9 @@ def report_problem(report: v1.PrefixReport) -> str | None:
 
 def from_wire(report: v1.PrefixReport) -> Prefixes:
     """A (checked) report's keys; a key given twice for one model merged as in merge()."""
-    return merge({m.model: {k.key: (k.size, k.count)}} for m in report.models for k in m.keys)
+    return merge(
+        {m.model: {k.key: (k.size, k.count, k.holder)}} for m in report.models for k in m.keys
+    )
 
 
 def to_wire(prefixes: Prefixes, routers: int) -> v1.PrefixSet:
@@ -123,8 +138,8 @@ def to_wire(prefixes: Prefixes, routers: int) -> v1.PrefixSet:
             v1.ModelPrefixes(
                 model=model,
                 keys=[
-                    v1.PrefixKey(key=key, size=size, count=count)
-                    for key, (size, count) in sorted(keys.items())
+                    v1.PrefixKey(key=key, size=size, count=count, holder=holder)
+                    for key, (size, count, holder) in sorted(keys.items())
                 ],
             )
             for model, keys in sorted(prefixes.items())

@@ -76,8 +76,9 @@ class CacheAware(Balancer[L]):
       elsewhere is not moved to a home that changed (a move is a miss): it goes there
       once this router's record of its holder has dropped it. Behind a control plane
       the routers share their recent prefixes (share_keys, the control plane's
-      SharePrefixes): each places the union of every router's, so routers that each
-      see a part of the traffic still place from the same set.
+      SharePrefixes): a prefix the fleet's routers sent somewhere has its home where
+      most of its requests went, and the rest are placed over the union of every
+      router's, so routers that each see a part of the traffic agree.
     - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
       block_time * evicted``: the prefill queued there, the prompt's blocks it does not
       hold, and the live blocks of other prefixes this one would push out of a full cache
@@ -134,8 +135,11 @@ class CacheAware(Balancer[L]):
         self._keys_version = 0
         self._homes_version = -1
         # The fleet's recent prefixes (share_keys: every router's, through the control
-        # plane): key -> (size in blocks, 0 where not known; count).
-        self._fleet: dict[int, tuple[int, int]] = {}
+        # plane): key -> (size in blocks, 0 where not known; count; the endpoint the
+        # routers sent most of it to, "" where none); and where this router last sent
+        # each of its recent prefixes (shared_homes only).
+        self._fleet: dict[int, tuple[int, int, str]] = {}
+        self._sent_to: dict[int, str] = {}
 
     # -------------------------------------------------------------- prefix state
 
@@ -171,6 +175,12 @@ class CacheAware(Balancer[L]):
         capacity = c.cache_blocks
         limit = min(self.index_blocks, capacity) if capacity > 0 else self.index_blocks
         index.record(prefix, max(1, limit), self._tick)
+        if self.shared_homes:
+            sent = self._sent_to
+            sent[prefix[min(len(prefix), self.affinity_blocks) - 1]] = c.id
+            if len(sent) > 2 * self.window:  # bounded without a control plane to read it
+                recent = self._recent_counts
+                self._sent_to = {k: e for k, e in sent.items() if k in recent}
 
     def footprint(self, c: L) -> int:
         """Prefix blocks this router sent to ``c`` within the last ``window`` picks and
@@ -273,10 +283,20 @@ class CacheAware(Balancer[L]):
                     ranks[k] = self._scored(ready, k)
             # The fleet's size where it knows one (every router then places a prefix by
             # the same size), this router's own where not.
-            placed = {**sizes, **{k: s for k, (s, _) in fleet.items() if s > 0}} if fleet else sizes
+            placed = (
+                {**sizes, **{k: v[0] for k, v in fleet.items() if v[0] > 0}} if fleet else sizes
+            )
             homes = self._homes = place(ranks, placed, capacities)
             self._homes_for = inputs
             self._homes_version = self._keys_version
+        # Where the fleet's routers already sent it (most of its requests), that is its
+        # home: every router then sends it where it is cached, whatever order the
+        # routers saw the prefixes in (the rule places only what the fleet has not).
+        held = self._fleet.get(key)
+        if held is not None and held[2]:
+            for i, c in enumerate(ready):
+                if c.id == held[2]:
+                    return i
         return homes[key]
 
     def _size(self, key: int, prefix: Sequence[int]) -> int:
@@ -295,21 +315,24 @@ class CacheAware(Balancer[L]):
                 common += 1
         return -(-max(1, common) // 4) * 4
 
-    def recent_keys(self) -> dict[int, tuple[int, int]]:
+    def recent_keys(self) -> dict[int, tuple[int, int, str]]:
         """The prefixes of this router's last ``window`` picks, for the fleet (the control
-        plane's SharePrefixes): key -> (size in blocks, 0 where not known yet; count)."""
-        sizes = self._sizes
-        return {k: (sizes.get(k, 0), n) for k, n in self._recent_counts.items()}
+        plane's SharePrefixes): key -> (size in blocks, 0 where not known yet; count;
+        the endpoint this router last sent it to, "" where not known)."""
+        sizes, recent = self._sizes, self._recent_counts
+        sent = self._sent_to = {k: e for k, e in self._sent_to.items() if k in recent}
+        return {k: (sizes.get(k, 0), n, sent.get(k, "")) for k, n in recent.items()}
 
-    def fleet_keys(self) -> Mapping[int, tuple[int, int]]:
+    def fleet_keys(self) -> Mapping[int, tuple[int, int, str]]:
         """The fleet's keys last given to share_keys."""
         return self._fleet
 
-    def share_keys(self, keys: Mapping[int, tuple[int, int]]) -> None:
-        """The fleet's recent prefixes (key -> (size, count), every router's merged by the
-        control plane; empty: none, or no longer known). With ``shared_homes`` the homes
-        are placed over this router's own recent prefixes and these, so that routers
-        that each see a part of the traffic compute the same homes."""
+    def share_keys(self, keys: Mapping[int, tuple[int, int, str]]) -> None:
+        """The fleet's recent prefixes (key -> (size, count, holder), every router's
+        merged by the control plane; empty: none, or no longer known). With
+        ``shared_homes`` a prefix the fleet holds has its home there, and the others are
+        placed over this router's own recent prefixes and these, so that routers that
+        each see a part of the traffic give each prefix the same home."""
         fleet, was = dict(keys), self._fleet
         self._fleet = fleet
         # The homes depend on the keys and their sizes, not on the counts.

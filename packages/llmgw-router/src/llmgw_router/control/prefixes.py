@@ -6,13 +6,15 @@ prefixes (balancing/placement.py). Each router of a fleet sees only its part of 
 traffic; computed from its part, the homes differ between routers and a tenant is
 cached on two engines. Every :data:`INTERVAL` seconds, on the channel the endpoint
 watcher holds to the leader, this router sends the prefixes of its balancer's window
-(each key with its size in blocks and its count, the largest counts first, at most
-:data:`MAX_KEYS`) and hands the reply, every router's prefixes merged, to the balancer
-(``CacheAware.share_keys``). The balancer's window spans every model this router
-serves, so the keys go under the model ``""``. When the control plane is out of reach
-for :data:`STALE` seconds, or the session ends, the fleet's keys are dropped and the
-router places from its own again. A router with static endpoints only has no control
-plane: it never shares.
+(each key with its size in blocks, its count and the endpoint this router last sent
+it to, the largest counts first, at most :data:`MAX_KEYS`) and hands the reply, every
+router's prefixes merged (with the endpoint most of their requests went to), to the
+balancer (``CacheAware.share_keys``): a prefix the fleet holds has its home there, the
+others are placed from the fleet's set. The balancer's window spans every model this
+router serves, so the keys go under the model ``""``. When the control plane is out of
+reach for :data:`STALE` seconds, or the session ends, the fleet's keys are dropped and
+the router places from its own again. A router with static endpoints only has no
+control plane: it never shares.
 """
 
 from __future__ import annotations
@@ -43,30 +45,32 @@ MAX_KEYS = 4096
 STALE = 10.0
 
 
-def report_keys(keys: Mapping[int, tuple[int, int]], limit: int = MAX_KEYS) -> list[PrefixKey]:
-    """``keys`` (key -> (size, count)) as the report's, the largest counts first (equal:
+def report_keys(keys: Mapping[int, tuple[int, int, str]], limit: int = MAX_KEYS) -> list[PrefixKey]:
+    """``keys`` (key -> (size, count, holder)) as the report's, the largest counts first (equal:
     the smaller key), at most ``limit``; a key outside uint64 (none the hashes make) is
     left out."""
     fits = ((k, v) for k, v in keys.items() if 0 <= k < 2**64)
     ranked = sorted(fits, key=lambda kv: (-kv[1][1], kv[0]))[:limit]
     return [
-        PrefixKey(key=key, size=min(size, 2**32 - 1), count=min(count, 2**32 - 1))
-        for key, (size, count) in ranked
+        PrefixKey(key=key, size=min(size, 2**32 - 1), count=min(count, 2**32 - 1), holder=holder)
+        for key, (size, count, holder) in ranked
     ]
 
 
-def fleet_keys(reply: PrefixSet) -> dict[int, tuple[int, int]]:
+def fleet_keys(reply: PrefixSet) -> dict[int, tuple[int, int, str]]:
     """The reply's keys over every model (this router's balancer has one window for all):
-    a key in several models with the smallest known size and the counts summed."""
-    out: dict[int, tuple[int, int]] = {}
+    a key in several models with the smallest known size, the counts summed and the
+    holder of the larger count."""
+    out: dict[int, tuple[int, int, str]] = {}
     for model in reply.models:
         for k in model.keys:
             was = out.get(k.key)
             if was is None:
-                out[k.key] = (k.size, k.count)
+                out[k.key] = (k.size, k.count, k.holder)
             else:
                 least = min(was[0], k.size) if was[0] and k.size else was[0] or k.size
-                out[k.key] = (least, was[1] + k.count)
+                holder = k.holder if k.holder and (k.count > was[1] or not was[2]) else was[2]
+                out[k.key] = (least, was[1] + k.count, holder)
     return out
 
 

@@ -1134,6 +1134,13 @@ class PrefixKey(betterproto2.Message):
     Requests with this prefix in the router's window (in the reply: summed over routers).
     """
 
+    holder: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The endpoint (its id) the router last sent it to; empty where none. In the reply:
+    the one named by the routers with the most of its requests (each router's name
+    weighs its count; equal: the smaller id).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "PrefixKey", PrefixKey)
 
@@ -1156,7 +1163,8 @@ class PrefixSet(betterproto2.Message):
     """
     The union of every router's report still fresh (reported within the last 10 s),
     per model: each key with the smallest size reported (0 only where none knows it; a
-    router that saw one prompt of a prefix reports the whole prompt) and the counts summed.
+    router that saw one prompt of a prefix reports the whole prompt), the counts summed
+    and its holder (see PrefixKey).
     """
 
     models: "list[ModelPrefixes]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
