@@ -5,6 +5,8 @@ standby refuses with the leader's address."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpclib.client
@@ -14,6 +16,7 @@ import pytest
 from grpclib.exceptions import GRPCError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llmgw_control.ca import init_ca, issue
 from llmgw_control.leader_gate import LeaderGate
 from llmgw_control.prefixes import (
     MAX_KEYS,
@@ -27,6 +30,7 @@ from llmgw_control.prefixes import (
     to_wire,
 )
 from llmgw_proto import v1
+from llmgw_proto.tls import client_context
 from llmgw_testkit import free_port
 
 LEADER = "127.0.0.1:7171"
@@ -203,3 +207,36 @@ async def test_a_standby_refuses_with_the_leaders_address() -> None:
         channel.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_over_mtls_only_a_router_certificate_may_share(
+    tmp_path: Path, control_factory: Callable[..., Any]
+) -> None:
+    """A real `llmgw-control serve` process: SharePrefixes is served (wired beside the
+    other router calls) and checked as they are: a router's certificate gets the union,
+    a node's is refused with PERMISSION_DENIED."""
+    ca = init_ca(tmp_path / "ca")
+    server = issue(tmp_path / "ca", "server", "control", hosts=["127.0.0.1"], out=tmp_path / "s")
+    tls = {"cert": str(server.cert), "key": str(server.key), "ca": str(ca.cert)}
+    model = {"name": "m", "profiles": {"p": {"engine": "vllm", "gpus_per_node": 1}}}
+    control = control_factory([model], tls=tls)
+
+    async def share(role: str, name: str) -> v1.PrefixSet:
+        who = issue(tmp_path / "ca", role, name, out=tmp_path / name)
+        ctx = client_context(who.cert, who.key, ca.cert)
+        channel = grpclib.client.Channel("127.0.0.1", control.grpc_port, ssl=ctx)
+        try:
+            return await v1.EndpointServiceStub(channel).share_prefixes(
+                _report(name, (5, 8, 2, "e0")), timeout=30
+            )
+        finally:
+            channel.close()
+
+    got = await share("router", "edge-1")
+    assert [(k.key, k.size, k.count, k.holder) for m in got.models for k in m.keys] == [
+        (5, 8, 2, "e0")
+    ]
+    with pytest.raises(GRPCError) as err:
+        await share("node", "gpu-a")
+    assert err.value.status == grpclib.const.Status.PERMISSION_DENIED
+    assert "only a router certificate" in str(err.value.message)
