@@ -2,7 +2,7 @@
 rate across routers, and what admission costs.
 
     python tools/bench/bench_tenants.py [--only a,b,c,d] [--seconds 30] [--minutes 3]
-    python tools/bench/bench_tenants.py --only d --callgrind 500
+    python tools/bench/bench_tenants.py --only d --callgrind 500 [--keep DIR]
 
 Every phase starts its own processes (the llmgw-sim vLLM engine, llmgw-router; for (c)
 a real llmgw-control and four routers) and stops them. Ratios come from one run.
@@ -18,7 +18,8 @@ a real llmgw-control and four routers) and stops them. Ratios come from one run.
     over all routers, each minute after the first.
 (d) cost: router CPU per request and p50 latency with admission on (a limited key and
     the queue gate) against off (a key without limits), a closed loop of short requests;
-    with --callgrind N, user-space instructions per request instead (deterministic).
+    with --callgrind N, user-space instructions per request instead (deterministic);
+    --keep DIR keeps the processes' logs and the callgrind dumps there (callgrind_annotate).
 """
 
 from __future__ import annotations
@@ -509,11 +510,18 @@ def main() -> None:
         default=0,
         help="(d): instructions per request under callgrind, N requests (needs valgrind)",
     )
+    parser.add_argument(
+        "--keep", default="", help="keep the logs and callgrind dumps in this (empty) folder"
+    )
     args = parser.parse_args()
+    if args.keep and Path(args.keep).is_dir() and any(Path(args.keep).iterdir()):
+        # A dump left there would be counted with this run's (same labels).
+        raise SystemExit(f"--keep {args.keep}: the folder is not empty")
     use_uvloop()
     phases = set(args.only.split(","))
     with tempfile.TemporaryDirectory(prefix="bench-tenants-") as tmp:
-        logs = Path(tmp)
+        logs = Path(args.keep or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         lines: list[str] = []
         if "a" in phases:
             lines += phase_a(logs, args.seconds, args.load)

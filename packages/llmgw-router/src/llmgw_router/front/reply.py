@@ -13,11 +13,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from llmgw_router import request_id
 from llmgw_router.errors import ApiError, error_body
+from llmgw_router.state import now
 
 if TYPE_CHECKING:
     from llmgw_router.config import ApiKey
 
-__all__ = ["CLOSE", "CONTINUE", "Connection", "HttpRequest", "error_response", "internal_error"]
+__all__ = [
+    "CLOSE",
+    "CONTINUE",
+    "Connection",
+    "HttpRequest",
+    "LateHead",
+    "error_response",
+    "internal_error",
+]
 
 
 def _status_line(status: int) -> bytes:
@@ -62,6 +71,15 @@ class Connection(Protocol):
     async def drain(self) -> None: ...
 
 
+class LateHead(Protocol):
+    """Head lines made as the head goes out (a limited key's x-ratelimit-* lines:
+    tenants.limits.KeyState)."""
+
+    def head_block(self, now: float) -> bytes:
+        """The lines at ``now``, "name: value\\r\\n" each, written as they are."""
+        ...
+
+
 class HttpRequest:
     """One request as parsed, and the :class:`Reply` its answer is written through."""
 
@@ -78,6 +96,7 @@ class HttpRequest:
         "head_size",
         "headers",
         "keep_alive",
+        "late_head",
         "method",
         "parts",
         "path",
@@ -118,6 +137,10 @@ class HttpRequest:
         self.task: asyncio.Task[Any] | None = None
         self.status = 0
         self.head: list[tuple[bytes, bytes]] = []
+        # Lines added after self.head's when the head goes out (ProxyApp.exchange sets
+        # it for a limited key: the block is made and written whole, no name and value
+        # each to encode and join); None for none.
+        self.late_head: LateHead | None = None
         self.chunked = False
         self.close_after = False
         # Body bytes still owed under the response's own content-length (-1: none given).
@@ -188,6 +211,9 @@ class HttpRequest:
                     continue
                 close = said_close = True
             out += (name, b": ", value, b"\r\n")
+        late = self.late_head
+        if late is not None:
+            out.append(late.head_block(now()))
         if not framed and not bodiless:
             if more:
                 self.chunked = True
@@ -202,6 +228,7 @@ class HttpRequest:
 
 
 async def internal_error(request: HttpRequest) -> None:
+    request.late_head = None  # a 500 of the router's own carries no key's lines
     body = error_body(
         "the router failed on this request; see its log", "server_error", None, "internal_error"
     )

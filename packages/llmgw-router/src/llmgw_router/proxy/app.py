@@ -35,6 +35,7 @@ from structlog.contextvars import bind_contextvars
 from llmgw_router import tracing
 from llmgw_router.config import ApiKey
 from llmgw_router.errors import ApiError
+from llmgw_router.front.reply import HttpRequest
 from llmgw_router.proxy import traced
 from llmgw_router.proxy.admit import MODELS_PATH, PROXIED_PATHS, Admission, too_large
 from llmgw_router.proxy.asgi import Receive, Scope, Send, serve_asgi
@@ -210,13 +211,21 @@ class ProxyApp:
         outcome.ctx = ctx
         ticket = ctx.tenant
         if ticket is not None and ticket.state is not None:
-            reply = WithHeaders(reply, ticket.state)
+            if type(reply) is HttpRequest:
+                # The router's own server writes the key's x-ratelimit-* lines into the
+                # head as one block made as it goes out (no wrapper, no list to join).
+                reply.late_head = ticket.state
+            else:
+                reply = WithHeaders(reply, ticket.state)
         try:
             await self._exchange.serve(ctx, reply)
         except ApiError as err:
             ctx.status = ctx.status or err.status
             if ticket is not None and ticket.state is not None:
-                # The router's own 502/503/504: a limited key's headers too.
+                # The router's own 502/503/504: a limited key's headers too (in the
+                # error's own list: not twice).
+                if type(reply) is HttpRequest:
+                    reply.late_head = None
                 err.headers = [*err.headers, *self.tenancy.headers(ticket)]
             raise
         except asyncio.CancelledError:

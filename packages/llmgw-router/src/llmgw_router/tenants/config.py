@@ -18,8 +18,9 @@ class QueueConfig(BaseConfig):
         """The headroom in effect: `headroom`, or a quarter of `per_endpoint` unset."""
         return self.headroom if self.headroom is not None else self.per_endpoint // 4
 
-    # Full: this router process's (worker's) requests in flight for the model reach this
-    # many per usable endpoint. 0: no such cap.
+    # Full: this router's requests in flight for the model reach this many per usable
+    # endpoint; each worker caps its own at its part, ceil(per_endpoint / workers), and
+    # headroom likewise (Tenancy.cap, Tenancy.headroom). 0: no such cap.
     per_endpoint: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # A band above one with requests in flight, and a key with fewer in flight than an
     # equal share of the cap, may go this many requests per usable endpoint past

@@ -44,6 +44,12 @@ __all__ = ["Share", "Tenancy", "Ticket", "Usage", "estimate_tokens", "lookup_sec
 log = structlog.get_logger(__name__)
 
 
+def _part(count: int, workers: int) -> int:
+    """One worker's part of a router's ``count``: rounded up, so at least 1 when
+    ``count`` is; 0 stays 0."""
+    return -(-count // workers)
+
+
 class Tenancy:
     """Per-key admission and the fair-share queue of one router process."""
 
@@ -56,7 +62,10 @@ class Tenancy:
         self.bands = {name: i for i, name in enumerate(config.bands)}
         self.default_band = self.bands[config.default_priority]
         self.queue_on = bool(config.queue.per_endpoint or config.queue.engine_waiting)
-        self.headroom = config.queue.room
+        # The queue's cap and headroom are this router's too: each worker's part,
+        # rounded up (a set cap never drops to 0, which would mean none).
+        self.cap = _part(config.queue.per_endpoint, self.workers)
+        self.headroom = _part(config.queue.room, self.workers)
         # Models whose prompts are counted by their tokenizer (cache_aware.tokenizers).
         self.tokenizers = frozenset(state.config.cache_aware.tokenizers)
         self.keys: dict[str, KeyState] = {}
@@ -215,10 +224,9 @@ class Tenancy:
             else:
                 gate.candidates = candidates
             try:
-                queue = self.config.queue
                 # self.full's own first test, inline: under one endpoint's cap, not full.
                 if gate.queue.size or (
-                    (gate.in_flight >= queue.per_endpoint or queue.engine_waiting)
+                    (gate.in_flight >= self.cap or self.config.queue.engine_waiting)
                     and self.full(gate, at, band)
                 ):
                     await self._through_gate(ticket, band, key, candidates)
@@ -342,18 +350,18 @@ class Tenancy:
         return gate
 
     def full(self, gate: _Gate, at: float, band: int = 0, key: str | None = None) -> bool:
-        """The model's engines take no more of ``band`` (for ``key``) now: this router's
-        cap per endpoint, or every engine reporting requests waiting. A band above one
-        with requests in flight, and a key below its equal share of the cap, may go
-        `headroom` past it."""
+        """The model's engines take no more of ``band`` (for ``key``) now: this worker's
+        cap per endpoint (its part of the router's), or every engine reporting requests
+        waiting. A band above one with requests in flight, and a key below its equal
+        share of the cap, may go `headroom` (this worker's part) past it."""
         queue = self.config.queue
-        if gate.in_flight < queue.per_endpoint and not queue.engine_waiting:
+        cap = self.cap
+        if gate.in_flight < cap and not queue.engine_waiting:
             return False  # under the cap of one endpoint: under any room (the hot path)
         candidates = gate.candidates
         usable = [ep for ep in candidates if ep.usable(at)] or list(candidates)
         if not usable:
             return False
-        cap = queue.per_endpoint
         if cap:
             room = cap * len(usable)
             headroom = self.headroom

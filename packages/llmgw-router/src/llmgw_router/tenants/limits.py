@@ -23,6 +23,7 @@ __all__ = [
     "Refusal",
     "Reservation",
     "both_lines",
+    "head_format",
     "reset_text",
 ]
 
@@ -133,6 +134,7 @@ class KeyState:
     __slots__ = (
         "budget_left",
         "budget_reserved",
+        "head",
         "in_flight",
         "limits",
         "requests",
@@ -144,6 +146,9 @@ class KeyState:
         self.limits = limits
         self.requests = Bucket(limits.rpm, now) if limits.rpm else None
         self.tokens = Bucket(limits.tpm, now) if limits.tpm else None
+        # The x-ratelimit-* lines as one bytes template, the limits written in: only
+        # the remaining and reset values are formatted per response (head_block).
+        self.head = head_format(self.requests, self.tokens)
         self.in_flight = 0
         # The budget: tokens this router may still reserve (its grant), and the tokens
         # reserved by requests in flight.
@@ -158,6 +163,7 @@ class KeyState:
         self.limits = limits
         self.requests = _resized(self.requests, limits.rpm, now)
         self.tokens = _resized(self.tokens, limits.tpm, now)
+        self.head = head_format(self.requests, self.tokens)
 
     def grant(self, tokens: int) -> None:
         """A new budget grant (the reply to the usage report taken last): what this
@@ -265,6 +271,68 @@ class KeyState:
             return requests.lines(now, _REQUESTS)
         return both_lines(requests, tokens, now, [])
 
+    def head_block(self, now: float) -> bytes:
+        """:meth:`headers` as response-head lines in one bytes block ("name: value\\r\\n"
+        each, as the head writer writes a header): the limits' template (:func:`head_format`)
+        with the remaining and reset values of this moment (the buckets refilled to
+        ``now``). Every response of a limited key: both rates inline."""
+        requests, tokens = self.requests, self.tokens
+        if requests is None or tokens is None:
+            return self._one_block(now)
+        if now > requests.at:
+            level = requests.level + (now - requests.at) * requests.rate
+            requests.level = level if level < requests.capacity else requests.capacity
+            requests.at = now
+        if now > tokens.at:
+            level = tokens.level + (now - tokens.at) * tokens.rate
+            tokens.level = level if level < tokens.capacity else tokens.capacity
+            tokens.at = now
+        r_level, t_level = requests.level, tokens.level
+        r_missing, t_missing = requests.capacity - r_level, tokens.capacity - t_level
+        # reset_text's "<1s" case from a table (a bucket with room to spare refills in ms).
+        if r_missing > 0:
+            wait = r_missing / requests.rate
+            r_reset = _MS[ceil(wait * 1000)] if wait < 1 else reset_text(wait)
+        else:
+            r_reset = b"0s"
+        if t_missing > 0:
+            wait = t_missing / tokens.rate
+            t_reset = _MS[ceil(wait * 1000)] if wait < 1 else reset_text(wait)
+        else:
+            t_reset = b"0s"
+        return self.head % (
+            r_level if r_level > 0 else 0,
+            r_reset,
+            t_level if t_level > 0 else 0,
+            t_reset,
+        )
+
+    def _one_block(self, now: float) -> bytes:
+        bucket = self.requests or self.tokens
+        if bucket is None:
+            return b""
+        bucket.refill(now)
+        level = bucket.level
+        missing = bucket.capacity - level
+        reset = reset_text(missing / bucket.rate) if missing > 0 else b"0s"
+        return self.head % (level if level > 0 else 0, reset)
+
+
+def head_format(requests: Bucket | None, tokens: Bucket | None) -> bytes:
+    """The x-ratelimit-* response-head lines of these buckets as a bytes %-template: the
+    names and the limits written in, ``%d`` for each remaining and ``%b`` for each reset
+    (requests first). b"" for none."""
+    out = b""
+    for bucket, names in ((requests, _REQUESTS), (tokens, _TOKENS)):
+        if bucket is not None:
+            out += b"%b: %b\r\n%b: %%d\r\n%b: %%b\r\n" % (
+                names[0],
+                bucket.limit_text,
+                names[1],
+                names[2],
+            )
+    return out
+
 
 def both_lines(
     requests: Bucket, tokens: Bucket, now: float, before: list[tuple[bytes, bytes]]
@@ -313,6 +381,8 @@ _TOKENS = (
     b"x-ratelimit-remaining-tokens",
     b"x-ratelimit-reset-tokens",
 )
+# reset_text of i ms, for i up to 1000 (a wait under a second, rounded up).
+_MS = tuple(b"%dms" % max(1, i) for i in range(1001))
 
 
 def _resized(bucket: Bucket | None, capacity: float, now: float) -> Bucket | None:
