@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_control.lora import HELD_TTL, LoraManager
-from llmgw_control.lora_plan import Action, Demand, ReplicaView, plan
+from llmgw_control.lora_plan import Action, Demand, ReplicaView, plan, pool_size
 from prometheus_client import CollectorRegistry
 
 
@@ -97,13 +97,21 @@ demand = st.dictionaries(
     st.integers(0, 4),
     st.sampled_from([0.0, 3.0]),
     st.sampled_from([0.0, 10.0]),
+    st.sampled_from([0.0, 1.0, 4.0]),
 )
 def test_pool_properties(
-    reps: list[ReplicaView], wants: dict[str, Demand], spare: int, patience: float, idle: float
+    reps: list[ReplicaView],
+    wants: dict[str, Demand],
+    spare: int,
+    patience: float,
+    idle: float,
+    turn: float,
 ) -> None:
     now = 100.0
-    actions = plan(reps, wants, now=now, min_idle=idle, patience=patience, spare=spare)
+    actions = plan(reps, wants, now=now, min_idle=idle, patience=patience, spare=spare, turn=turn)
     taken = {r.id: set(r.taken) for r in reps if r.capacity > 0}
+    slots = sum(r.capacity for r in reps if r.capacity > 0)
+    size = pool_size(slots, [d.rate for d in wants.values()], spare, turn)
 
     def used(a: str) -> tuple[float, float, str]:
         d = wants.get(a, Demand())
@@ -118,7 +126,7 @@ def test_pool_properties(
             everyone = sorted({a for t in taken.values() for a in t}, key=used)
             # Only one of the spare pool, one used less, or after the newcomer's patience.
             assert (
-                act.adapter in everyone[:spare]
+                act.adapter in everyone[:size]
                 or wants.get(act.adapter, Demand()).rate < new.rate
                 or new.held_for >= patience
             )
@@ -147,6 +155,36 @@ def test_pool_properties(
     )
     if patient and movable:
         assert any(a.kind == "load" and a.adapter in waiting for a in actions)
+
+
+@given(
+    st.integers(0, 40),
+    st.lists(st.floats(0, 10), max_size=40),
+    st.integers(0, 40),
+    st.floats(0, 20),
+)
+def test_pool_size_properties(slots: int, rates: list[float], spare: int, turn: float) -> None:
+    n = pool_size(slots, rates, spare, turn)
+    assert min(spare, slots) <= n <= max(min(spare, slots), slots)
+    ordered = sorted(rates, reverse=True)
+    left_out = sum(ordered[slots - n :])
+    # Big enough for the turns the left-out adapters ask for, unless it is every slot.
+    assert n == slots or left_out * turn <= n
+    # And the smallest such: one fewer would not be (unless it is the floor, spare).
+    if n > min(spare, slots):
+        assert sum(ordered[slots - (n - 1) :]) * turn > n - 1
+
+
+def test_pool_grows_with_the_tail_demand() -> None:
+    # 16 slots, 8 busy adapters and 12 asked for once every 10 s: the 4 least used left
+    # out take turns of 4 s: 4 x 0.1 x 4 = 1.6 slots, so the floor, 4, is enough.
+    assert pool_size(16, [1.0] * 8 + [0.1] * 12, 4, 4.0) == 4
+    # 6 busy and 20 at 0.1/s: 4 spare slots leave 14 out (1.4/s x 4 s = 5.6 slots); 7
+    # leave 17 out (6.8 slots): the smallest that is enough.
+    assert pool_size(16, [1.0] * 6 + [0.1] * 20, 4, 4.0) == 7
+    assert pool_size(16, [1.0] * 6 + [0.1] * 20, 4, 0.0) == 4
+    # More demand left out than all the slots can take turns for: every slot.
+    assert pool_size(16, [1.0] * 8 + [0.1] * 30, 4, 4.0) == 16
 
 
 def test_the_manager_counts_how_long_requests_have_been_held() -> None:

@@ -37,12 +37,15 @@ HELD_TTL = 5.0
 # An adapter to unload is first hidden from routers (EndpointLoad.adapters) for this long,
 # so that none sends it there any more when the engine lets it go.
 UNLOAD_GRACE = 1.5
-# A quarter of a base model's adapter slots (at least one) is the spare pool: the least
-# used adapters, the only ones a colder adapter's first requests may evict; the rest stay
-# pinned, so a burst of rarely used adapters does not unload the hot ones.
+# A quarter of a base model's adapter slots (at least one; more while the adapters left
+# out ask for more turns, lora_plan.pool_size) is the spare pool: the least used adapters,
+# the only ones a colder adapter's first requests may evict; the rest stay pinned, so a
+# burst of rarely used adapters does not unload the hot ones.
 SPARE_SHARE = 0.25
 # Requests held this long for an adapter may evict any adapter idle for min_idle.
 PATIENCE = 3.0
+# A turn in a spare slot: min_idle and this (a load, and its load report).
+TURN_EXTRA = 2.0
 
 
 @dataclass
@@ -221,6 +224,7 @@ class LoraManager:
                 min_idle=min_idle,
                 patience=PATIENCE,
                 spare=spare,
+                turn=min_idle + TURN_EXTRA,
             )
             for action in [*removed, *actions]:
                 ep = by_id[action.replica]

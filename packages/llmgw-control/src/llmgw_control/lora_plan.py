@@ -10,9 +10,11 @@ Output: load and unload actions, in the order to send them.
   whose least used adapter is the least used of all unloads it first (fleet-wide: the
   lowest recent request rate, then the least recently used; never an adapter being
   loaded, with requests held, or used within ``min_idle`` seconds).
-- With ``spare`` set, the fleet's ``spare`` least used adapters are the spare pool: a
-  newcomer evicts only one of those or one with a lower rate than its own, until its
-  requests have waited ``patience`` seconds (then any, as above). The hot adapters stay
+- With ``spare`` set, the fleet's least used adapters are the spare pool (``spare`` of
+  them, more while the adapters left out ask for more turns than that many slots give,
+  each turn ``turn`` seconds: :func:`pool_size`): a newcomer evicts only one of those or
+  one with a lower rate than its own, until its requests have waited ``patience``
+  seconds (then any, as above). The hot adapters stay
   pinned while rarely used ones take turns in the spare slots: without it, a burst of
   tail requests, whose adapters once loaded are kept for ``min_idle``, unloaded the
   adapters asked for every few seconds (bench_lora's trace; issue 30).
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Action", "Demand", "ReplicaView", "plan"]
+__all__ = ["Action", "Demand", "ReplicaView", "plan", "pool_size"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,18 @@ class Demand:
     held_for: float = 0.0
 
 
+def pool_size(slots: int, rates: Iterable[float], spare: int, turn: float) -> int:
+    """How many slots the spare pool has: at least ``spare``, and as many more (up to all)
+    as the demand for the adapters left out of the pinned ones needs, each taking a spare
+    slot for ``turn`` seconds (a load and ``min_idle``): the smallest ``n`` whose
+    left-out rate times ``turn`` is at most ``n``."""
+    ordered = sorted(rates, reverse=True)
+    n = min(spare, slots)
+    while n < slots and sum(ordered[slots - n :]) * turn > n:
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class Action:
     kind: Literal["load", "unload"]
@@ -89,11 +103,15 @@ def plan(
     min_idle: float = 0.0,
     patience: float = 0.0,
     spare: int | None = None,
+    turn: float = 0.0,
 ) -> list[Action]:
     """The loads and unloads to send now (see the module's rules)."""
     reps = [_Replica(r, set(r.taken), r.load) for r in replicas if r.capacity > 0]
     if not reps:
         return []
+    if spare is not None:
+        slots = sum(r.view.capacity for r in reps)
+        spare = pool_size(slots, [d.rate for d in demand.values()], spare, turn)
     actions: list[Action] = []
 
     def last_used(adapter: str) -> float:
