@@ -25,6 +25,9 @@ import structlog
 from llmgw_agent.config import AgentConfig
 from llmgw_proto import v1
 from llmgw_proto.config import convert
+from llmgw_testkit import untimed
+
+untimed.load()  # no hypothesis deadlines: tests assert no timings
 
 
 @dataclass

@@ -23,8 +23,10 @@ import pytest
 import yaml
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_proto import v1
-from llmgw_testkit import Proc, free_port, http_get, wait_for_async
+from llmgw_testkit import Proc, free_port, http_get, untimed, wait_for_async
 from llmgw_testkit.servers import Etcd, Postgres
+
+untimed.load()  # no hypothesis deadlines: tests assert no timings
 
 S = v1.ShardState
 GiB = 2**30

@@ -7,6 +7,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from llmgw_testkit import untimed
+
+untimed.load()  # no hypothesis deadlines: tests assert no timings
 
 PACKAGE = Path(__file__).resolve().parent.parent
 REPO = PACKAGE.parent.parent

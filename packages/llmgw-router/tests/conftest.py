@@ -13,8 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from llmgw_testkit import Proc, free_port, http_get, wait_for
+from llmgw_testkit import Proc, free_port, http_get, untimed, wait_for
 from llmgw_testkit.fake_control import FakeControl
+
+untimed.load()  # no hypothesis deadlines: tests assert no timings
 
 ROUTER = str(Path(sys.executable).parent / "llmgw-router")
 SIM = str(Path(sys.executable).parent / "llmgw-sim")

@@ -6,6 +6,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from llmgw_testkit import untimed
+
+untimed.load()  # no hypothesis deadlines: tests assert no timings
 
 
 @pytest.fixture
