@@ -87,9 +87,12 @@ ADMINS: list[int] = []
 
 
 @contextlib.contextmanager
-def router_up(cluster: Cluster, logs: Path, warming: bool, fraction: float) -> Iterator[str]:
+def router_up(
+    cluster: Cluster, logs: Path, warming: bool, fraction: float, slots: bool = True
+) -> Iterator[str]:
     """One llmgw router (cache_aware) fed by the cluster's control plane, its warming on
-    or off; ready once every engine's load report has arrived. Yields its base URL."""
+    or off, ranking by slot or (``slots`` false) by endpoint id; ready once every
+    engine's load report has arrived. Yields its base URL."""
     port, admin = free_port(), free_port()
     config = logs / f"router-{port}.yaml"  # JSON is YAML
     config.write_text(
@@ -100,6 +103,7 @@ def router_up(cluster: Cluster, logs: Path, warming: bool, fraction: float) -> I
                 "balancer": "cache_aware",
                 "workers": 1,
                 "warming": {"enabled": warming, "max_prefill_fraction": fraction},
+                "cache_aware": {"use_slots": slots},
                 "control": {
                     "address": f"127.0.0.1:{cluster.grpc_port}",
                     "router_id": "bench-0",
@@ -239,7 +243,7 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
         cluster.start_agent("node-0", gpus=fleet.engines + 1)
         replicas = cluster.wait_replicas(MODEL, fleet.engines, timeout=120)
         engines = sorted(str(r["endpoint"]) for r in replicas)
-        with router_up(cluster, logs, warm, args.warm_fraction) as url:
+        with router_up(cluster, logs, warm, args.warm_fraction, not args.no_slots) as url:
             rolled: dict[str, float] = {}
             before: list[dict[str, float]] = []
             per_window: list[dict[str, object]] = []
@@ -298,6 +302,7 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
     return {
         "warm": warm,
         "min_ready": args.min_ready,
+        "slots": not args.no_slots,
         "warm_fraction": args.warm_fraction,
         "rate": round(rate, 2),
         "sent": len(times),
@@ -362,6 +367,12 @@ def main() -> int:
         "--scale-down",
         action="store_true",
         help="instead of the rolling update: 4 -> 3 replicas (only a leaving replica, none joins)",
+    )
+    parser.add_argument(
+        "--no-slots",
+        action="store_true",
+        help="the router ranks by endpoint id (cache_aware.use_slots false): a replacement "
+        "takes a fresh share of every replica's prefixes",
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)

@@ -226,6 +226,7 @@ replicas = st.builds(
     created_at=st.floats(0, 1e6),
     ready_since=st.none() | st.floats(0, 1e6),
     revision=st.sampled_from(["", "3f2a9c", "b71e04"]),
+    slot=st.integers(-1, 9),
 )
 
 
@@ -240,6 +241,8 @@ def test_replicas_come_back_as_they_were(r: Replica) -> None:
     assert [p.start_session for p in back.shards] == [""] * len(r.shards)
     # The revision says which side of a rollout the replica is on.
     assert back.revision == r.revision
+    # The slot: a replacement started after a restart still takes it (slots.py).
+    assert back.slot == r.slot
 
 
 def test_a_restored_node_is_unreachable_as_if_just_dropped() -> None:

@@ -50,6 +50,7 @@ from llmgw_control.records import (
     replica_state,
     unsend,
 )
+from llmgw_control.slots import slot_name
 from llmgw_control.store.keeper import StateKeeper
 from llmgw_control.store.persist import Restored
 
@@ -657,6 +658,7 @@ class Controller:
                     role=report.role or profile.role,
                     kv_port=report.kv_port or r.kv_port,
                     leaving=leaving,
+                    slot=slot_name(r.model, r.profile, r.slot),
                 )
             )
         for rid, text in problems.items():

@@ -69,6 +69,9 @@ class EndpointInfo(NamedTuple):
     kv_port: int = 0
     # About to be taken away (issue 28, leaving.py): routers warm its heirs.
     leaving: bool = False
+    # Its place within its model/profile (slots.py): routers rank by it, so a
+    # replacement inherits its predecessor's prefixes; "" not known.
+    slot: str = ""
 
     def __repr__(self) -> str:
         shown = self._replace(api_key="***") if self.api_key else self
@@ -93,6 +96,7 @@ class EndpointInfo(NamedTuple):
             role=self.role,
             kv_port=self.kv_port,
             leaving=self.leaving,
+            slot=self.slot,
         )
 
 

@@ -47,6 +47,7 @@ from llmgw_control.records import (
     taken_on,
 )
 from llmgw_control.rollout import ReplicaView, rollout_step
+from llmgw_control.slots import fill_slots, next_slot
 
 __all__ = ["Decision", "Settings", "reconcile"]
 
@@ -356,9 +357,14 @@ class _Pass:
                 r for r in live if (r.revision and r.revision != rev) or r.replica_id in ops.replace
             ]
             new = [r for r in live if r not in old]
+            for r, slot in zip(live, fill_slots([r.slot for r in live]), strict=True):
+                r.slot = slot
             self._trim(new, wanted, "draining: more replicas than wanted")
             new = [r for r in new if r.replica_id in self.state.replicas]
             count = wanted - len(new)
+            # The old replicas' slots in the order the rollout retires them.
+            heirs = {r.slot for r in new if r.ready_since is not None}
+            old.sort(key=lambda r: (r.ready_since is not None, r.ready_since or 0.0, r.replica_id))
             if old:
                 surge, unavailable = profile.max_surge, profile.max_unavailable
                 replacing = [r.replica_id for r in old if r.replica_id in ops.replace]
@@ -368,7 +374,7 @@ class _Pass:
                 step = rollout_step(
                     wanted,
                     [self._view(r) for r in new],
-                    [self._view(r) for r in old],
+                    [dataclasses.replace(self._view(r), heir_ready=r.slot in heirs) for r in old],
                     surge,
                     unavailable,
                     now=self.now,
@@ -395,8 +401,10 @@ class _Pass:
                 }
             if not placing:
                 continue
+            slots = [r.slot for r in new]
             for _ in range(count):
                 rid = self.new_id(profile.model, profile.name)
+                slots.append(next_slot(slots, [r.slot for r in old if not r.draining], wanted))
                 self.state.replicas[rid] = Replica(
                     rid,
                     profile.model,
@@ -404,6 +412,7 @@ class _Pass:
                     size=profile.nodes,
                     created_at=self.now,
                     revision=rev,
+                    slot=slots[-1],
                 )
 
     def _trim(self, live: list[Replica], wanted: int, why: str) -> None:

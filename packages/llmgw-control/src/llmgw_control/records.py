@@ -78,6 +78,8 @@ class Replica:
     leave_at: float = 0.0
     # The profile revision it was started with; "" = unknown (adopted): taken as current.
     revision: str = ""
+    # Its place within its model/profile (slots.py, Endpoint.slot); -1: not assigned yet.
+    slot: int = -1
 
     @property
     def key(self) -> tuple[str, str]:

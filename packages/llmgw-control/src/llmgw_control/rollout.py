@@ -33,6 +33,9 @@ class ReplicaView:
     # Why it is not placed ("" when placed).
     unplaced: str = ""
     ready_since: float = 0.0
+    # An old replica whose slot a ready new replica holds (slots.py): its successor
+    # is ready, so it is retired before the other ready ones.
+    heir_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,9 @@ def rollout_step(
     ready = new_ready + sum(r.ready for r in old)
     floor = wanted - max_unavailable
     drain: list[str] = []
-    # Old replicas that serve nothing go first, then the longest ready.
-    for r in sorted(old, key=lambda r: (r.ready, r.ready_since, r.replica_id)):
+    # Old replicas that serve nothing go first, then those whose successor (the new
+    # replica in their slot) is ready, then the longest ready.
+    for r in sorted(old, key=lambda r: (r.ready, not r.heir_ready, r.ready_since, r.replica_id)):
         if r.ready:
             if ready - 1 < floor:
                 continue

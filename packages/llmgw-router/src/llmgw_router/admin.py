@@ -138,6 +138,7 @@ def admin_app(state: RouterState) -> Starlette:
                         "weight": ep.weight,
                         "node_id": ep.spec.node_id,
                         "replica_id": ep.spec.replica_id,
+                        "slot": ep.spec.slot,
                         "state": ep.state(now),
                         "healthy": ep.healthy,
                         "outstanding": ep.outstanding,

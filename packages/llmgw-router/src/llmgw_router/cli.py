@@ -129,6 +129,7 @@ def serve(
             role=e.role,
             engine=e.engine,
             kv_port=e.kv_port,
+            slot=e.slot,
         )
         for e in cfg.endpoints
     )

@@ -159,6 +159,11 @@ class CacheAwareConfig(BaseConfig):
     # router's, so routers that each see a part of the traffic place alike. A router with
     # static endpoints only has no control plane to share through.
     share_prefixes: bool = True
+    # Rank endpoints for a prefix by their slot (Endpoint.slot from the control plane; a
+    # static endpoint's `slot`) where set, else by id: a replica that replaces another in
+    # its slot (a rolling update) inherits exactly its prefixes. False: by id (for
+    # comparison: each replacement then takes a fresh share of every replica's prefixes).
+    use_slots: bool = True
     # Prompt bytes per engine token, to count an engine's cache (reported or configured
     # in tokens) in prefix blocks of block_bytes; 4 for English text with common
     # tokenizers. (With a tokenizer, blocks are block_bytes / 4 tokens: leave it at 4.)
@@ -253,6 +258,9 @@ class EndpointConfig(BaseConfig):
     role: Literal["", "prefill", "decode"] = ""
     engine: Literal["", "vllm", "sglang", "llamacpp"] = ""
     kv_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    # Its place in cache_aware's ranking (cache_aware.use_slots): an endpoint given the
+    # slot of one it replaces takes over exactly that one's prefixes; "": its id.
+    slot: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class ControlConfig(BaseConfig):

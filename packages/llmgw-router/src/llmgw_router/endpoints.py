@@ -94,6 +94,10 @@ class EndpointSpec:
     # The control plane is about to take it away (issue 28): no new requests while
     # another endpoint can take them (proxy/warm.py).
     leaving: bool = False
+    # Its place within its model/profile (Endpoint.slot, issue 28): cache_aware ranks by
+    # it, so a replacement in the same slot inherits exactly its predecessor's prefixes;
+    # "": not known, ranked by id.
+    slot: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -159,6 +163,10 @@ class Endpoint:
     @property
     def profile(self) -> str:
         return self.spec.profile
+
+    @property
+    def slot(self) -> str:
+        return self.spec.slot
 
     @property
     def generation(self) -> int:

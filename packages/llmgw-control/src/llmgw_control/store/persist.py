@@ -157,6 +157,8 @@ def encode_replica(r: Replica, clock: Clock) -> bytes:
             "drain_deadline": clock.to_wall(r.drain_deadline) if r.drain_deadline else 0.0,
             # The profile revision it runs: a rollout in progress goes on after a restart.
             "revision": r.revision,
+            # Its slot: a replacement started after a restart still takes it.
+            "slot": r.slot,
         }
     )
 
@@ -277,6 +279,7 @@ def _replica(d: dict[str, Any], clock: Clock) -> Replica:
         draining=bool(d.get("draining", False)),
         drain_deadline=clock.to_mono(d["drain_deadline"]) if d.get("drain_deadline") else 0.0,
         revision=d.get("revision", ""),
+        slot=int(d.get("slot", -1)),
     )
 
 

@@ -107,8 +107,12 @@ class CacheAware(Balancer[L]):
         block_time: float = 0.0064,
         rng: random.Random | None = None,
         shared_homes: bool = False,
+        use_slots: bool = True,
     ) -> None:
         self.epsilon = epsilon
+        self.use_slots = use_slots
+        # The order endpoints were first ranked in: of two in one slot, the older first.
+        self._born: dict[str, int] = {}
         self.shared_homes = shared_homes
         # The prior for a candidate that has no learned rate: seconds per prefix block.
         self.block_time = block_time
@@ -231,10 +235,13 @@ class CacheAware(Balancer[L]):
         """``ready``'s positions in rendezvous order for ``key``, each with its score."""
         weights = [c.weight for c in ready]
         uniform = all(w == weights[0] for w in weights)
-        scored: list[tuple[float, str, int]] = []
+        scored: list[tuple[float, int, int]] = []
+        born = self._born
         for i, c in enumerate(ready):
-            # splitmix64 of the block and the endpoint, inlined (see index.mix).
-            x = ((key ^ self._ident(c.id)) + 0x9E3779B97F4A7C15) & MASK
+            # The endpoint's slot where set (a replacement ranks where its predecessor
+            # did, after it while both serve), else its id. splitmix64 of it and the block.
+            slot = getattr(c, "slot", "") if self.use_slots else ""
+            x = ((key ^ self._ident(slot or c.id)) + 0x9E3779B97F4A7C15) & MASK
             x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
             x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
             mixed = x ^ (x >> 31)
@@ -242,7 +249,7 @@ class CacheAware(Balancer[L]):
             score = (
                 float(mixed) if uniform else max(1, c.weight) / -math.log((mixed + 1) / (2**64 + 2))
             )
-            scored.append((score, c.id, i))
+            scored.append((score, -born.setdefault(c.id, len(born)), i))
         scored.sort(reverse=True)
         return [(r[2], r[0]) for r in scored]
 

@@ -28,6 +28,7 @@ def make_balancer(
             affinity_blocks=cache_aware.affinity_blocks,
             index_blocks=cache_aware.index_blocks,
             shared_homes=cache_aware.shared_homes,
+            use_slots=cache_aware.use_slots,
         )
     if name == "least_outstanding":
         return LeastOutstanding(rng)

@@ -112,6 +112,7 @@ def spec_from_wire(ep: WireEndpoint) -> EndpointSpec:
         engine=_ENGINE_NAMES.get(ep.engine, ""),
         kv_port=ep.kv_port,
         leaving=ep.leaving,
+        slot=ep.slot,
     )
 
 

@@ -548,6 +548,14 @@ class Endpoint(betterproto2.Message):
     replicas that inherit its hot prefixes before the drain starts.
     """
 
+    slot: "str" = betterproto2.field(120, betterproto2.TYPE_STRING)
+    """
+    The replica's place within its model/profile (issue 28), e.g. "m1/p/3": a replica
+    that replaces another (a rolling update, a restart) takes its slot, and routers rank
+    endpoints for a prefix by slot, so a replacement inherits exactly its predecessor's
+    prefixes. Empty: not known (static endpoints, older control planes): ranked by id.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Endpoint", Endpoint)
 
