@@ -27,6 +27,12 @@ def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
     return metric_sum(text, name, **labels)
 
 
+def router_slots(cluster: Cluster) -> dict[str, str]:
+    """Each endpoint's slot as the router's admin view shows it (Endpoint.slot)."""
+    url = f"http://127.0.0.1:{cluster.router_admin_port}/v1/endpoints"
+    return {e["id"]: e["slot"] for e in httpx.get(url, timeout=5).json()["endpoints"]}
+
+
 def prompt(i: int) -> str:
     return f"tenant {i:03d} shares this system prompt. " + ("lorem ipsum dolor sit amet " * 60)
 
@@ -108,10 +114,11 @@ def test_a_rolling_update_warms_each_new_replica_before_it_takes_its_prefixes(
     cluster: Cluster,
 ) -> None:
     """Two replicas roll to a new revision one at a time (max_surge 1, min_ready 15 s):
-    the first new replica is sent one-token copies of the prompts whose home it becomes
-    (the leaving replica's and the staying one's) before it takes them, so every
-    request it then serves hits its cache (without warming the staying replica's move
-    to it cold); and the next new replica waits until it has been ready for min_ready."""
+    the first new replica takes the slot of the old one retired for it (Endpoint.slot,
+    as the router sees it), is sent one-token copies of the prompts whose home it becomes
+    (the leaving replica's) before it takes them, so every request it then serves hits
+    its cache (without warming they move to it cold); and the next new replica waits
+    until it has been ready for min_ready."""
     cluster.timings["warm_before_drain"] = "4s"
     rollout = {"max_surge": 1, "max_unavailable": 0, "min_ready": "15s"}
     profile = vllm_profile(gpus=1, replicas=2, rollout=rollout)
@@ -120,6 +127,13 @@ def test_a_rolling_update_warms_each_new_replica_before_it_takes_its_prefixes(
     cluster.start_router(warming={"max_prefill_fraction": 1.0, "max_requests": 64})
     old = {r["replica_id"] for r in cluster.wait_replicas("chat", 2)}
     cluster.wait_router_models("chat")
+
+    def both() -> dict[str, str] | None:
+        seen = router_slots(cluster)
+        return seen if set(seen) == old else None
+
+    slots = wait_for(both, timeout=30, what="the router's view of both replicas")
+    assert sorted(slots.values()) == ["chat/default/0", "chat/default/1"]
 
     with httpx.Client(timeout=60) as http:
 
@@ -148,6 +162,26 @@ def test_a_rolling_update_warms_each_new_replica_before_it_takes_its_prefixes(
             return None
 
         url = wait_for(first_new, timeout=60, what="the first new replica ready")
+        (new_id,) = [r["replica_id"] for r in cluster.replicas("chat") if r["endpoint"] == url]
+        new_slot = wait_for(
+            lambda: router_slots(cluster).get(new_id), timeout=30, what="the router's new one"
+        )
+        # It took the slot of the old replica retired for it, and that one is leaving.
+        (predecessor,) = [rid for rid, s in slots.items() if s == new_slot]
+        wait_for(
+            lambda: all(
+                r["state"] == "draining"
+                for r in cluster.replicas("chat")
+                if r["replica_id"] == predecessor
+            ),
+            timeout=30,
+            what="its predecessor retired",
+        )
+        # The other old replica serves on.
+        (other,) = old - {predecessor}
+        assert [r["state"] for r in cluster.replicas("chat") if r["replica_id"] == other] == [
+            "ready"
+        ]
         wait_for(
             lambda: router_metric(cluster, "llmgw_router_warm_requests_total") >= 1,
             timeout=30,
