@@ -153,6 +153,8 @@ MESSAGE_NAMES = [
     # Tenant keys (issue 24), LoRA adapters, routers' request reports (issue 29).
     "ApiKey", "KeySet", "KeyUsage", "UsageReport", "KeyShare", "UsageReply",
     "LoadAdapter", "UnloadAdapter", "ModelRequests", "RequestReport", "RequestReply",
+    # Routers' shared prefixes (issue 26).
+    "PrefixKey", "ModelPrefixes", "PrefixReport", "PrefixSet",
 ]  # fmt: skip
 
 
@@ -227,7 +229,13 @@ def _examples() -> dict[str, betterproto2.Message]:
         ttft_bounds=[0.05, 0.1, 0.25, 0.5, 1.0, float("inf")],
         ttft_counts=[120, 200, 80, 20, 8, 3],
     )
+    prefix = v1.PrefixKey(key=0x9E3779B97F4A7C15, size=132, count=37, holder="gpu-a-llama-r0")
+    prefixes = v1.ModelPrefixes(model="", keys=[prefix, v1.PrefixKey(key=1 << 63, size=0, count=1)])
     return {
+        "PrefixKey": prefix,
+        "ModelPrefixes": prefixes,
+        "PrefixReport": v1.PrefixReport(router_id="router-1/w0", models=[prefixes]),
+        "PrefixSet": v1.PrefixSet(models=[prefixes], routers=4),
         "ApiKey": key,
         "KeySet": v1.KeySet(version=17, keys=[key, v1.ApiKey(name="old", revoked=True)]),
         "KeyUsage": usage,
