@@ -279,27 +279,7 @@ class KeyState:
         requests, tokens = self.requests, self.tokens
         if requests is None or tokens is None:
             return self._one_block(now)
-        if now > requests.at:
-            level = requests.level + (now - requests.at) * requests.rate
-            requests.level = level if level < requests.capacity else requests.capacity
-            requests.at = now
-        if now > tokens.at:
-            level = tokens.level + (now - tokens.at) * tokens.rate
-            tokens.level = level if level < tokens.capacity else tokens.capacity
-            tokens.at = now
-        r_level, t_level = requests.level, tokens.level
-        r_missing, t_missing = requests.capacity - r_level, tokens.capacity - t_level
-        # reset_text's "<1s" case from a table (a bucket with room to spare refills in ms).
-        if r_missing > 0:
-            wait = r_missing / requests.rate
-            r_reset = _MS[ceil(wait * 1000)] if wait < 1 else reset_text(wait)
-        else:
-            r_reset = b"0s"
-        if t_missing > 0:
-            wait = t_missing / tokens.rate
-            t_reset = _MS[ceil(wait * 1000)] if wait < 1 else reset_text(wait)
-        else:
-            t_reset = b"0s"
+        r_level, r_reset, t_level, t_reset = _both_now(requests, tokens, now)
         return self.head % (
             r_level if r_level > 0 else 0,
             r_reset,
@@ -334,11 +314,10 @@ def head_format(requests: Bucket | None, tokens: Bucket | None) -> bytes:
     return out
 
 
-def both_lines(
-    requests: Bucket, tokens: Bucket, now: float, before: list[tuple[bytes, bytes]]
-) -> list[tuple[bytes, bytes]]:
-    """``before`` and then the requests' and the tokens' buckets' lines (Bucket.lines
-    twice, inline: every response of a key with both rates)."""
+def _both_now(requests: Bucket, tokens: Bucket, now: float) -> tuple[float, bytes, float, bytes]:
+    """Both buckets refilled to ``now`` (Bucket.refill, inline): the requests' level and
+    reset text, the tokens' level and reset text. What every response of a key with both
+    rates says (:meth:`KeyState.head_block`, :func:`both_lines`)."""
     if now > requests.at:
         level = requests.level + (now - requests.at) * requests.rate
         requests.level = level if level < requests.capacity else requests.capacity
@@ -349,17 +328,26 @@ def both_lines(
         tokens.at = now
     r_level, t_level = requests.level, tokens.level
     r_missing, t_missing = requests.capacity - r_level, tokens.capacity - t_level
-    # reset_text's "<1s" case inline (a bucket with room to spare refills in ms).
+    # reset_text's "<1s" case from a table (a bucket with room to spare refills in ms).
     if r_missing > 0:
         wait = r_missing / requests.rate
-        r_reset = b"%dms" % ceil(wait * 1000) if wait < 1 else reset_text(wait)
+        r_reset = _MS[ceil(wait * 1000)] if wait < 1 else reset_text(wait)
     else:
         r_reset = b"0s"
     if t_missing > 0:
         wait = t_missing / tokens.rate
-        t_reset = b"%dms" % ceil(wait * 1000) if wait < 1 else reset_text(wait)
+        t_reset = _MS[ceil(wait * 1000)] if wait < 1 else reset_text(wait)
     else:
         t_reset = b"0s"
+    return r_level, r_reset, t_level, t_reset
+
+
+def both_lines(
+    requests: Bucket, tokens: Bucket, now: float, before: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    """``before`` and then the requests' and the tokens' buckets' lines (Bucket.lines
+    twice, inline: every response of a key with both rates)."""
+    r_level, r_reset, t_level, t_reset = _both_now(requests, tokens, now)
     return [
         *before,
         (b"x-ratelimit-limit-requests", requests.limit_text),
