@@ -225,6 +225,24 @@ def test_explanations_account_for_every_node(nodes: list[NodeView], demand: Dema
             assert f"{count} " in result.explanation
 
 
+def test_a_shared_address_refusal_accounts_for_every_node() -> None:
+    """Hypothesis's find: two nodes fit a 2-node replica but share an address whose two
+    free ports are too few for both; the third has no GPU. Each node is fitting or
+    removed once."""
+    nodes = [
+        NodeView(f"n{i}", NodeState.READY, gpus(min(i, 1)), address="10.0.0.9") for i in range(3)
+    ]
+    for n in nodes:
+        n.used_ports = {20000, 20001}
+    share_ports(nodes)
+    result = place(Demand(gpus_per_node=1, nodes=2), nodes, PORTS)
+    assert isinstance(result, Unplaceable)
+    assert result.fit == 2
+    assert list(result.removed.values()) == [1]
+    assert result.explanation.startswith("2 of 3 nodes fit, but the 2 chosen share 10.0.0.9")
+    assert "1 " in result.explanation.split("; ", 1)[1]
+
+
 @settings(max_examples=100, deadline=None)
 @given(fleets(), st.lists(demands, min_size=1, max_size=8))
 def test_no_gpu_or_port_is_given_twice(nodes: list[NodeView], wanted: list[Demand]) -> None:

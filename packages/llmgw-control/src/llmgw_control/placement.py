@@ -305,14 +305,6 @@ def place(
 
     chosen = _choose(demand, fitting, crowd)
     placement = _assign(demand, chosen, lo, hi) if chosen is not None else None
-    if chosen is not None and placement is None:
-        return Unplaceable(
-            f"{len(fitting)} of {total} nodes fit, but the {demand.nodes} chosen share "
-            f"{chosen[0].address} and its free ports in {lo}-{hi} are too few for all",
-            total,
-            len(fitting),
-            {"ports": demand.nodes},
-        )
     if chosen is not None and placement is not None:
         return Placement(
             placement.shards,
@@ -326,6 +318,18 @@ def place(
     # The filter that removed the most nodes comes first: it is what to fix first.
     order = sorted(removed, key=lambda name: (-removed[name], FILTERS.index(name)))
     parts = [_phrase(name, removals[name], demand, lo, hi) for name in order]
+    if chosen is not None:
+        # Enough nodes fit, but the chosen share one address whose free ports are too
+        # few for all of them. Every node is still either fitting or removed by a
+        # filter (as in every other refusal; this one counted the chosen as removed
+        # by "ports" too, so removed and fit summed to more than the nodes).
+        text = (
+            f"{len(fitting)} of {total} nodes fit, but the {demand.nodes} chosen share "
+            f"{chosen[0].address} and its free ports in {lo}-{hi} are too few for all"
+        )
+        if parts:
+            text += "; " + ", ".join(parts)
+        return Unplaceable(text, total, len(fitting), removed)
     if total == 0:
         text = "0 of 0 nodes fit: no agent has registered"
     elif demand.nodes > 1 and fitting:
