@@ -7,7 +7,7 @@ import json
 
 from hypothesis import given
 from hypothesis import strategies as st
-from llmgw_router.proxy.relay import usage_from
+from llmgw_router.proxy.relay import first_usage, usage_from
 
 
 def _sse(*events: dict[str, object]) -> bytes:
@@ -45,6 +45,32 @@ def test_responses_stream_nests_usage_in_the_completed_event() -> None:
     usage = usage_from(tail, True)
     assert usage is not None
     assert usage.counts == (12, 30)
+
+
+def _anthropic_stream(prompt: int, completion: int) -> bytes:
+    return _sse(
+        {
+            "type": "message_start",
+            "message": {"id": "msg_1", "usage": {"input_tokens": prompt, "output_tokens": 1}},
+        },
+        {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "hi"}},
+        {"type": "message_delta", "usage": {"output_tokens": completion}},
+        {"type": "message_stop"},
+    )
+
+
+@given(st.integers(1, 10**6), st.integers(1, 10**6))
+def test_an_anthropic_stream_in_one_read_gives_both_counts(prompt: int, completion: int) -> None:
+    # A short stream can come whole in the first read: its input tokens are in its first
+    # usage (message_start), its output tokens in its last (message_delta). Reading the
+    # first read's last usage for the input counted 0 (CI, test_more_routes).
+    whole = _anthropic_stream(prompt, completion)
+    last = usage_from(whole, True)
+    early = first_usage(whole)
+    assert last is not None
+    assert early is not None
+    assert last.counts == (0, completion)
+    assert early.counts[0] == prompt
 
 
 def test_usage_null_or_cut_off_is_none() -> None:

@@ -75,7 +75,20 @@ def usage_from(tail: bytes, streamed: bool) -> _Usage | None:
         with contextlib.suppress(msgspec.DecodeError):
             return _decode_usage(tail).usage
         return None
-    # Only the event around the last mention is parsed, not the whole tail.
+    return _usage_event(tail, at)
+
+
+def first_usage(data: bytes) -> _Usage | None:
+    """The usage of the first SSE event that carries one (an Anthropic stream's
+    `message_start`, which alone holds the input tokens), wherever the stream was cut
+    into reads: the whole of a short stream can come in one."""
+    at = data.find(b'"usage"')
+    return None if at < 0 else _usage_event(data, at)
+
+
+def _usage_event(tail: bytes, at: int) -> _Usage | None:
+    """The usage object of the SSE event around the mention of `"usage"` at ``at``."""
+    # Only the event around that mention is parsed, not the whole tail.
     start = tail.rfind(b"data: ", 0, at)
     end = tail.find(b"\n", at)
     if start >= 0:
@@ -214,7 +227,7 @@ class Relay:
                 if streamed and not prompt and first:
                     # An Anthropic stream: its input tokens came in its first event
                     # (`message_start`), its last usage (`message_delta`) has the output.
-                    early = usage_from(first, True)
+                    early = first_usage(first)
                     if early is not None:
                         prompt = early.counts[0]
                 ctx.usage = prompt, completion
