@@ -18,6 +18,7 @@ from llmgw_router.endpoints import Endpoint, EndpointSet, EndpointSpec
 from llmgw_router.metrics import Metrics
 from llmgw_router.proxy.warm import Warmer
 from llmgw_router.state import RouterState
+from llmgw_testkit.candidates import Cand
 
 PATH = "/v1/completions"
 
@@ -148,3 +149,60 @@ def test_a_rollout_step_warms_the_successor_with_the_leaving_replicas_prompts_on
     assert {t.id for t, _ in jobs} <= {"new"}
     # Within its budget (its own recent prefill, fraction 1), all of them.
     assert {h.key for _, h in jobs} == theirs
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.data(), st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40))
+def test_any_candidate_is_ranked_by_its_slot(n: int, data: st.DataObject, keys: list[int]) -> None:
+    """The slot is part of the candidate protocol (LoadedCandidate.slot), not only an
+    Endpoint's: a test candidate named "x" in slot "c1" ranks exactly where "c1" does."""
+    j = data.draw(st.integers(0, n - 1))
+    balancer: CacheAware[Cand] = CacheAware()
+    plain = [Cand(f"c{i}") for i in range(n)]
+    slotted = [c if i != j else Cand("x", slot=f"c{j}") for i, c in enumerate(plain)]
+    for k in keys:
+        was = [c.id for c in balancer.ranking(plain, (7, k))]
+        now = [c.id for c in balancer.ranking(slotted, (7, k))]
+        assert now == ["x" if e == f"c{j}" else e for e in was]
+
+
+def test_the_first_ranked_order_stays_bounded_as_endpoints_come_and_go() -> None:
+    """3,000 fleets of 4 new endpoints each (12,000 ids): what the balancer keeps of
+    their order stays within its limit (it kept every id it ever ranked)."""
+    balancer: CacheAware[Cand] = CacheAware()
+    most = 0
+    for r in range(3000):
+        balancer.ranking([Cand(f"e{r}.{i}") for i in range(4)], (7, r))
+        most = max(most, len(balancer._born))
+    assert balancer.born_limit // 2 < most < balancer.born_limit + 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 8),
+    st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True), max_size=40),
+)
+def test_dropping_gone_endpoints_keeps_the_order_of_the_rest(
+    limit: int, fleets: list[list[int]]
+) -> None:
+    """At the limit the oldest endpoints that are not candidates are dropped (all but
+    the newest half of the limit): the candidates and what is kept keep their order (of
+    two in one slot, the one first ranked stays first), and what is kept stays within
+    the limit plus the candidates."""
+    balancer: CacheAware[Cand] = CacheAware()
+    balancer.born_limit = limit
+    for ids in fleets:
+        ready = [Cand(f"e{i}", slot=f"s{i % 3}") for i in ids]
+        before = sorted(balancer._born, key=balancer._born.__getitem__)
+        balancer.ranking(ready, (7, len(before)))
+        after = sorted(balancer._born, key=balancer._born.__getitem__)
+        new = [c.id for c in ready if c.id not in before]
+        assert after == [e for e in before if e in balancer._born] + new
+        assert {c.id for c in ready} <= set(after)
+        assert len(set(balancer._born.values())) == len(after)
+        assert len(after) < limit + len(ready)
+        # Dropped: none below the limit, else all but the newest half-limit others.
+        here = {c.id for c in ready}
+        others = [e for e in before if e not in here]
+        kept = others[-(limit // 2) :] if len(before) >= limit else others
+        assert [e for e in after if e not in here] == kept

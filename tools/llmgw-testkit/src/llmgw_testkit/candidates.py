@@ -19,6 +19,7 @@ class Cand:
     cache_blocks: int = 0
     pending: float = 0.0
     block_time: float = 0.0
+    slot: str = ""
 
     def load_at(self, now: float) -> float:
         return self.load

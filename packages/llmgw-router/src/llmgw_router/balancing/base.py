@@ -123,5 +123,11 @@ class LoadedCandidate(Candidate, Protocol):
         """Seconds the engine takes to prefill one prefix block (learned); 0: not known."""
         ...
 
+    @property
+    def slot(self) -> str:
+        """Its place within its model/profile, "" where none: cache_aware ranks by it
+        where set (a replacement in the slot inherits its predecessor's prefixes)."""
+        ...
+
 
 L = TypeVar("L", bound=LoadedCandidate)

@@ -96,6 +96,9 @@ class CacheAware(Balancer[L]):
     An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
     """
 
+    # The most endpoints whose first-ranked order (_born) is kept; see _scored.
+    born_limit = 4096
+
     def __init__(
         self,
         *,
@@ -237,10 +240,17 @@ class CacheAware(Balancer[L]):
         uniform = all(w == weights[0] for w in weights)
         scored: list[tuple[float, int, int]] = []
         born = self._born
+        if len(born) >= self.born_limit:
+            # Endpoints come and go: keep these candidates and the newest half of the
+            # limit of the others (the oldest are the likeliest gone), in their order.
+            here = {c.id for c in ready}
+            others = [e for e in born if e not in here]
+            keep = here.union(others[max(0, len(others) - self.born_limit // 2) :])
+            born = self._born = {e: n for n, e in enumerate(e for e in born if e in keep)}
         for i, c in enumerate(ready):
             # The endpoint's slot where set (a replacement ranks where its predecessor
             # did, after it while both serve), else its id. splitmix64 of it and the block.
-            slot = getattr(c, "slot", "") if self.use_slots else ""
+            slot = c.slot if self.use_slots else ""
             x = ((key ^ self._ident(slot or c.id)) + 0x9E3779B97F4A7C15) & MASK
             x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
             x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
