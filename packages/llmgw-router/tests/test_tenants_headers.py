@@ -108,3 +108,30 @@ def test_a_request_held_past_its_deadline(spawn_upstream: Spawn, spawn_router: S
     finally:
         thread.join(timeout=60)
     assert first == [200]
+
+
+def test_no_usable_endpoint_after_admission_carries_the_lines_once(spawn_router: Spawn) -> None:
+    """The router's own 503 raised once the request is admitted (its only engine ejected
+    after one failure, no panic): the key's lines come once, in the error's own list,
+    not also in the head the router's server writes for an admitted request."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    router = spawn_router(
+        {
+            "endpoints": [{"id": "dead", "url": dead, "models": ["m1"]}],
+            "health_checks": {"enabled": False},
+            "ejection": {"consecutive_failures": 1, "panic_threshold": 0},
+            "api_keys": KEYS,
+        }
+    )
+    url = router.url + "/v1/chat/completions"
+    auth = {"authorization": "Bearer sk-limited"}
+    with httpx.Client(timeout=60) as http:
+        r = http.post(url, json=CHAT, headers=auth)
+        assert r.status_code == 502, r.text
+        _limited(r)
+        r = http.post(url, json=CHAT, headers=auth)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "no_usable_endpoint"
+        _limited(r)
+        names = [name for name, _ in r.headers.raw if name.startswith(b"x-ratelimit-")]
+        assert len(names) == len(set(names)) == 6, r.headers.raw

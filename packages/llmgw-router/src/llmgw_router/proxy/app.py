@@ -210,11 +210,14 @@ class ProxyApp:
         state.in_flight += 1
         outcome.ctx = ctx
         ticket = ctx.tenant
+        # The router's own request whose head carries the key's lines, if any.
+        late: HttpRequest | None = None
         if ticket is not None and ticket.state is not None:
             if type(reply) is HttpRequest:
                 # The router's own server writes the key's x-ratelimit-* lines into the
                 # head as one block made as it goes out (no wrapper, no list to join).
-                reply.late_head = ticket.state
+                late = reply
+                late.late_head = ticket.state
             else:
                 reply = WithHeaders(reply, ticket.state)
         try:
@@ -224,8 +227,8 @@ class ProxyApp:
             if ticket is not None and ticket.state is not None:
                 # The router's own 502/503/504: a limited key's headers too (in the
                 # error's own list: not twice).
-                if type(reply) is HttpRequest:
-                    reply.late_head = None
+                if late is not None:
+                    late.late_head = None
                 err.headers = [*err.headers, *self.tenancy.headers(ticket)]
             raise
         except asyncio.CancelledError:
