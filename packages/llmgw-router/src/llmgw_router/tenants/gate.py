@@ -28,15 +28,15 @@ from llmgw_router.tenants.fair import FairQueue, Held
 from llmgw_router.tenants.limits import KeyLimits, KeyState, Refusal, Reservation
 from llmgw_router.tenants.metrics import TenantMetrics
 from llmgw_router.tenants.parts import (
+    Gate,
     Share,
     Ticket,
     Usage,
-    _Gate,
-    _go,
-    _left,
-    _period,
-    _under_share,
+    enter,
+    leave,
     lookup_secret,
+    period_of,
+    under_share,
 )
 
 __all__ = ["Share", "Tenancy", "Ticket", "Usage", "estimate_tokens", "lookup_secret"]
@@ -78,7 +78,7 @@ class Tenancy:
         self.shares: dict[str, Share] = {}
         self.shares_until = -math.inf
         self.usage: dict[str, Usage] = {}
-        self.gates: dict[str, _Gate] = {}
+        self.gates: dict[str, Gate] = {}
         self._ticker: asyncio.Task[None] | None = None
         self.metrics = TenantMetrics(state.metrics.registry, self.queue_lengths)
 
@@ -138,7 +138,7 @@ class Tenancy:
         elif ks.limits is not limits and ks.limits != limits:
             ks.set_limits(limits, at)
         if key.local and limits.budget_tokens:
-            period = _period(key.budget_period, time.time())
+            period = period_of(key.budget_period, time.time())
             if self._periods.setdefault(key.name, period) != period:
                 self._periods[key.name] = period
                 ks.new_period(limits.budget_tokens // self.workers)
@@ -231,7 +231,7 @@ class Tenancy:
                 ):
                     await self._through_gate(ticket, band, key, candidates)
                 else:
-                    # The engines take it: no wait (the hot path; _go, inline).
+                    # The engines take it: no wait (the hot path; enter, inline).
                     gate.in_flight += 1
                     gate.by_band[band] += 1
                     by_key = gate.by_key
@@ -327,7 +327,7 @@ class Tenancy:
             ticket.gated = False
             gate = ticket.gate or self.gates.get(ticket.model)
             if gate is not None:
-                # _left, inline (every request of a queue-enabled router).
+                # leave, inline (every request of a queue-enabled router).
                 gate.in_flight -= 1
                 gate.by_band[ticket.level] -= 1
                 by_key = gate.by_key
@@ -341,15 +341,15 @@ class Tenancy:
 
     # ------------------------------------------------------------------ the queue
 
-    def _gate(self, model: str, candidates: tuple[Endpoint, ...]) -> _Gate:
+    def _gate(self, model: str, candidates: tuple[Endpoint, ...]) -> Gate:
         gate = self.gates.get(model)
         if gate is None:
             bands = len(self.bands)
-            gate = self.gates[model] = _Gate(FairQueue(bands), by_band=[0] * bands)
+            gate = self.gates[model] = Gate(FairQueue(bands), by_band=[0] * bands)
         gate.candidates = candidates
         return gate
 
-    def full(self, gate: _Gate, at: float, band: int = 0, key: str | None = None) -> bool:
+    def full(self, gate: Gate, at: float, band: int = 0, key: str | None = None) -> bool:
         """The model's engines take no more of ``band`` (for ``key``) now: this worker's
         cap per endpoint (its part of the router's), or every engine reporting requests
         waiting. A band above one with requests in flight, and a key below its equal
@@ -366,7 +366,7 @@ class Tenancy:
             room = cap * len(usable)
             headroom = self.headroom
             if headroom and (
-                any(gate.by_band[band + 1 :]) or (key is not None and _under_share(gate, key, room))
+                any(gate.by_band[band + 1 :]) or (key is not None and under_share(gate, key, room))
             ):
                 room += headroom * len(usable)
             if gate.in_flight >= room:
@@ -391,14 +391,14 @@ class Tenancy:
         name = ticket.key
         if not len(queue):
             if not self.full(gate, at, band):
-                _go(gate, name, band)
+                enter(gate, name, band)
                 return
         elif self.headroom:
             # Others held: a key below its share may still go into the headroom, unless a
             # higher band is waiting.
             first = queue.next_band()
             if first is not None and first >= band and not self.full(gate, at, band, name):
-                _go(gate, name, band)
+                enter(gate, name, band)
                 return
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -420,7 +420,7 @@ class Tenancy:
             if future.done() and not future.cancelled() and future.exception() is None:
                 # Let go by _drain (and counted in flight) just as it timed out or the
                 # client left: not going after all.
-                _left(gate, name, ticket.level)
+                leave(gate, name, ticket.level)
                 self._drain(gate)
             if isinstance(err, TimeoutError):
                 raise self._overloaded(ticket.model, "queue_timeout", held) from None
@@ -453,7 +453,7 @@ class Tenancy:
             headers=[(b"retry-after", b"2")],
         )
 
-    def _drain(self, gate: _Gate) -> None:
+    def _drain(self, gate: Gate) -> None:
         """Let held requests go, best first, while the engines take them."""
         queue = gate.queue
         if not len(queue):
@@ -470,7 +470,7 @@ class Tenancy:
             gate.waiters.pop(id(held.item), None)
             if held.item.done():
                 continue
-            _go(gate, held.key, held.band)
+            enter(gate, held.key, held.band)
             held.item.set_result(None)
 
     def _tick(self) -> None:

@@ -14,7 +14,17 @@ from llmgw_router.endpoints import Endpoint
 from llmgw_router.tenants.fair import FairQueue, Held
 from llmgw_router.tenants.limits import KeyState, Reservation
 
-__all__ = ["Share", "Ticket", "Usage", "lookup_secret"]
+__all__ = [
+    "Gate",
+    "Share",
+    "Ticket",
+    "Usage",
+    "enter",
+    "leave",
+    "lookup_secret",
+    "period_of",
+    "under_share",
+]
 
 
 def lookup_secret(by_prefix: dict[str, ApiKey], token: bytes) -> ApiKey | None:
@@ -70,11 +80,11 @@ class Ticket:
     held: float = 0.0
     done: bool = False
     # The model's gate, once through it without a wait (saves done() the lookup).
-    gate: _Gate | None = None
+    gate: Gate | None = None
 
 
 @dataclass(slots=True)
-class _Gate:
+class Gate:
     """One model's requests in flight through the gate, and those held."""
 
     queue: FairQueue[asyncio.Future[None]]
@@ -88,13 +98,16 @@ class _Gate:
     waiters: dict[int, tuple[Held[asyncio.Future[None]], float]] = field(default_factory=dict)
 
 
-def _go(gate: _Gate, key: str, band: int) -> None:
+def enter(gate: Gate, key: str, band: int) -> None:
+    """A request of ``key`` in ``band`` goes through the gate: counted in flight."""
     gate.in_flight += 1
     gate.by_band[band] += 1
     gate.by_key[key] = gate.by_key.get(key, 0) + 1
 
 
-def _left(gate: _Gate, key: str, band: int) -> None:
+def leave(gate: Gate, key: str, band: int) -> None:
+    """A request of ``key`` in ``band`` that went through is done: counted out (a key
+    with none left in flight leaves ``by_key``)."""
     gate.in_flight -= 1
     gate.by_band[band] -= 1
     left = gate.by_key.get(key, 0) - 1
@@ -104,13 +117,16 @@ def _left(gate: _Gate, key: str, band: int) -> None:
         gate.by_key.pop(key, None)
 
 
-def _under_share(gate: _Gate, key: str, room: int) -> bool:
+def under_share(gate: Gate, key: str, room: int) -> bool:
     """``key`` has fewer in flight than an equal share of ``room`` among the keys in flight."""
     mine = gate.by_key.get(key, 0)
     keys = len(gate.by_key) + (0 if mine else 1)
     return mine * keys < room
 
 
-def _period(kind: str, wall: float) -> str:
+def period_of(kind: str, wall: float) -> str:
+    """The name of the budget period (``kind``: "month", else a day; UTC) that the
+    wall-clock time ``wall`` falls in: "2026-12" for a month, "2026-336" (the day of
+    the year) for a day. A key's budget starts again when it changes."""
     t = time.gmtime(wall)
     return f"{t.tm_year}-{t.tm_mon:02d}" if kind == "month" else f"{t.tm_year}-{t.tm_yday}"
