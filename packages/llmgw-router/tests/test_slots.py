@@ -170,11 +170,12 @@ def test_the_first_ranked_order_stays_bounded_as_endpoints_come_and_go() -> None
     """3,000 fleets of 4 new endpoints each (12,000 ids): what the balancer keeps of
     their order stays within its limit (it kept every id it ever ranked)."""
     balancer: CacheAware[Cand] = CacheAware()
+    born = balancer._born
     most = 0
     for r in range(3000):
         balancer.ranking([Cand(f"e{r}.{i}") for i in range(4)], (7, r))
-        most = max(most, len(balancer._born))
-    assert balancer.born_limit // 2 < most < balancer.born_limit + 4
+        most = max(most, len(born.ranks))
+    assert born.limit // 2 < most < born.limit + 4
 
 
 @settings(max_examples=200, deadline=None)
@@ -190,16 +191,17 @@ def test_dropping_gone_endpoints_keeps_the_order_of_the_rest(
     two in one slot, the one first ranked stays first), and what is kept stays within
     the limit plus the candidates."""
     balancer: CacheAware[Cand] = CacheAware()
-    balancer.born_limit = limit
+    born = balancer._born
+    born.limit = limit
     for ids in fleets:
         ready = [Cand(f"e{i}", slot=f"s{i % 3}") for i in ids]
-        before = sorted(balancer._born, key=balancer._born.__getitem__)
+        before = sorted(born.ranks, key=born.ranks.__getitem__)
         balancer.ranking(ready, (7, len(before)))
-        after = sorted(balancer._born, key=balancer._born.__getitem__)
+        after = sorted(born.ranks, key=born.ranks.__getitem__)
         new = [c.id for c in ready if c.id not in before]
-        assert after == [e for e in before if e in balancer._born] + new
+        assert after == [e for e in before if e in born.ranks] + new
         assert {c.id for c in ready} <= set(after)
-        assert len(set(balancer._born.values())) == len(after)
+        assert len(set(born.ranks.values())) == len(after)
         assert len(after) < limit + len(ready)
         # Dropped: none below the limit, else all but the newest half-limit others.
         here = {c.id for c in ready}

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llmgw_router.balancing.base import Balancer, L, Pick
-from llmgw_router.balancing.index import MASK, PrefixIndex
+from llmgw_router.balancing.index import MASK, FirstSeen, PrefixIndex
 from llmgw_router.balancing.model import cache_room, ttft_costs
 from llmgw_router.balancing.placement import place
 
@@ -96,9 +96,6 @@ class CacheAware(Balancer[L]):
     An endpoint whose ``generation`` changes (a restarted engine) loses its prefix history.
     """
 
-    # The most endpoints whose first-ranked order (_born) is kept; see _scored.
-    born_limit = 4096
-
     def __init__(
         self,
         *,
@@ -115,7 +112,7 @@ class CacheAware(Balancer[L]):
         self.epsilon = epsilon
         self.use_slots = use_slots
         # The order endpoints were first ranked in: of two in one slot, the older first.
-        self._born: dict[str, int] = {}
+        self._born = FirstSeen()
         self.shared_homes = shared_homes
         # The prior for a candidate that has no learned rate: seconds per prefix block.
         self.block_time = block_time
@@ -239,14 +236,7 @@ class CacheAware(Balancer[L]):
         weights = [c.weight for c in ready]
         uniform = all(w == weights[0] for w in weights)
         scored: list[tuple[float, int, int]] = []
-        born = self._born
-        if len(born) >= self.born_limit:
-            # Endpoints come and go: keep these candidates and the newest half of the
-            # limit of the others (the oldest are the likeliest gone), in their order.
-            here = {c.id for c in ready}
-            others = [e for e in born if e not in here]
-            keep = here.union(others[max(0, len(others) - self.born_limit // 2) :])
-            born = self._born = {e: n for n, e in enumerate(e for e in born if e in keep)}
+        born = self._born.order(ready)
         for i, c in enumerate(ready):
             # The endpoint's slot where set (a replacement ranks where its predecessor
             # did, after it while both serve), else its id. splitmix64 of it and the block.

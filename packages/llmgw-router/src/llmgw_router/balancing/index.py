@@ -1,11 +1,14 @@
-"""What a cache-aware router remembers sending to one endpoint: its prefix blocks."""
+"""What a cache-aware router remembers sending to one endpoint (its prefix blocks), and
+the order it first ranked the endpoints in."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["MASK", "PrefixIndex", "mix"]
+from llmgw_router.balancing.base import Candidate
+
+__all__ = ["MASK", "FirstSeen", "PrefixIndex", "mix"]
 
 MASK = (1 << 64) - 1
 
@@ -16,6 +19,29 @@ def mix(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
     return x ^ (x >> 31)
+
+
+class FirstSeen:
+    """The order endpoints were first ranked in (id -> rank, oldest lowest), at most
+    ``limit`` ids besides the candidates of the moment: at the limit, the ids that are
+    not candidates are cut to the newest half of it (the oldest are the likeliest gone)
+    and what is kept is renumbered in its order, so the candidates keep theirs."""
+
+    __slots__ = ("limit", "ranks")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.ranks: dict[str, int] = {}
+
+    def order(self, ready: Sequence[Candidate]) -> dict[str, int]:
+        """The ranks (cut first where at the limit); a new id takes ``len(ranks)``."""
+        ranks = self.ranks
+        if len(ranks) >= self.limit:
+            here = {c.id for c in ready}
+            others = [e for e in ranks if e not in here]
+            keep = here.union(others[max(0, len(others) - self.limit // 2) :])
+            ranks = self.ranks = {e: n for n, e in enumerate(e for e in ranks if e in keep)}
+        return ranks
 
 
 class PrefixIndex:
