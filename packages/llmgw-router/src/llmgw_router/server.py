@@ -136,9 +136,15 @@ async def serve(
     loop.add_signal_handler(signal.SIGHUP, _reload_keys, proxy, config)
 
     # A worker listens on a socket of its own (SO_REUSEPORT) and serves its admin app to
-    # the supervisor only, on a Unix socket.
-    listen_socket = reuseport_socket(config.listen, listen=True) if worker is not None else None
-    sockets = [listen_socket] if listen_socket is not None else None
+    # the supervisor only, on a Unix socket. A router of one process binds and listens
+    # before its admin server starts too: once /readyz answers 200, connections to the
+    # proxy are taken (the kernel queues them until the server accepts), never refused.
+    try:
+        listen_socket = reuseport_socket(config.listen, listen=True, reuse_port=worker is not None)
+    except OSError as err:
+        # The CLI found the port free a moment ago; something took it since.
+        raise SystemExit(f"llmgw-router: cannot listen on {config.listen}: {err}") from None
+    sockets = [listen_socket]
     admin_server = _uvicorn(
         admin_app(state),
         config.admin_listen,
@@ -154,7 +160,7 @@ async def serve(
         from hypercorn.config import Config as HypercornConfig
 
         hc = HypercornConfig()
-        hc.bind = [f"fd://{listen_socket.fileno()}" if listen_socket else config.listen]
+        hc.bind = [f"fd://{listen_socket.fileno()}"]
         hc.graceful_timeout = config.shutdown_grace
         hc.accesslog = None
         hc.keep_alive_timeout = 75
@@ -213,8 +219,7 @@ async def serve(
     pool.close()
     # What is still buffered goes out before the process ends.
     await asyncio.to_thread(tracing.shutdown)
-    if listen_socket is not None:
-        listen_socket.close()
+    listen_socket.close()
     failed = [
         t for t in (proxy_task, admin_task) if t.done() and not t.cancelled() and t.exception()
     ]
