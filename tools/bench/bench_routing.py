@@ -182,6 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "SharePrefixes)",
     )
     parser.add_argument(
+        "--no-fit-holders",
+        action="store_true",
+        help="tenants x4, sharing: a prefix the fleet holds keeps its home there whatever "
+        "else that engine holds, and a router's own copies elsewhere still count "
+        "(cache_aware.fit_holders false, the rule before)",
+    )
+    parser.add_argument(
         "--fleet",
         dest="fleets",
         nargs="+",
@@ -248,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         CACHE_AWARE["slack"] = args.cache_aware_slack
     if args.no_share_prefixes:
         CACHE_AWARE["share_prefixes"] = False
+    if args.no_fit_holders:
+        CACHE_AWARE["fit_holders"] = False
     use_uvloop()
     SKEW.update(zipf=args.zipf, conversations=args.conversations, turns=args.turns)
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)

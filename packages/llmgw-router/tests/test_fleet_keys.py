@@ -115,8 +115,36 @@ def test_a_prefix_the_fleet_holds_has_its_home_where_it_is() -> None:
     b.share_keys(shared)
     held = homes(a, ready_a, tenants)
     assert held == homes(b, ready_b, tenants)
-    # Each tenant's home is the engine the router that saw it sent it to.
-    assert held == {t: p.endpoint.id for t, p in sent.items() if p.endpoint is not None}
+    # Each tenant's home is the engine the router that saw it sent it to, where what
+    # that engine holds fits its cache (three tenants); an over-full engine keeps three.
+    where = {t: p.endpoint.id for t, p in sent.items() if p.endpoint is not None}
+    count = Counter(where.values())
+    assert max(count.values()) > 3  # the routers' own sends overfill an engine
+    assert all(held[t] == e for t, e in where.items() if count[e] <= 3)
+    assert all(n <= 3 for n in Counter(held.values()).values())
+    for e, n in count.items():
+        assert sum(1 for t in held if held[t] == e == where[t]) == min(n, 3)
+
+
+def test_an_engine_the_fleet_sent_too_many_tenants_keeps_what_fits() -> None:
+    """What four routers measured (issue 26): one engine got a third of the requests at
+    74-76 % hits, because every prefix the fleet held kept its home there. Twelve
+    tenants all held on e0: it keeps three, the rest go where there is room; with
+    ``fit_holders=False`` (the rule before) all twelve stay."""
+    tenants = 12
+    shared = {tenant(t, 0)[7]: (SIZE, 4, "e0") for t in range(tenants)}
+    ready = cands()
+    fit = CacheAware[Cand](shared_homes=True)
+    fit.share_keys(shared)
+    placed = Counter(homes(fit, ready, tenants).values())
+    assert placed == {"e0": 3, "e1": 3, "e2": 3, "e3": 3}
+    before = CacheAware[Cand](shared_homes=True, fit_holders=False)
+    before.share_keys(shared)
+    assert Counter(homes(before, ready, tenants).values()) == {"e0": tenants}
+    # Holders that fit are followed: three on each engine, not where hashing puts them.
+    spread = {tenant(t, 0)[7]: (SIZE, 1, f"e{t % 4}") for t in range(tenants)}
+    fit.share_keys(spread)
+    assert homes(fit, ready, tenants) == {t: f"e{t % 4}" for t in range(tenants)}
 
 
 def test_the_fleets_size_is_used_where_this_router_has_none() -> None:
@@ -153,3 +181,41 @@ def test_any_split_of_the_tenants_agrees_with_the_same_fleet_keys(
         first = homes(balancers[0], readies[0], tenants)
         for r in range(1, routers):
             assert homes(balancers[r], readies[r], tenants) == first
+
+
+def test_a_router_sends_a_prefix_to_the_fleets_home_not_to_its_own_copy() -> None:
+    """This router sent a tenant to two engines (its first pick, then a spill); the fleet
+    holds it on the first. With the first busier, the copy no longer takes its requests
+    (a send there keeps the copy cached, on an engine whose cache other homes need); the
+    rule before (``fit_holders=False``) moved them there by the predicted times."""
+    for fit, want in ((True, "home"), (False, "copy")):
+        balancer = CacheAware[Cand](shared_homes=True, fit_holders=fit)
+        ready = cands()
+        home = balancer.choose(ready, usable, None, tenant(0, 1), at=0.0).endpoint
+        assert home is not None
+        copy = next(c for c in ready if c.id != home.id)
+        assert balancer.choose([copy], usable, None, tenant(0, 2), at=0.0).endpoint is copy
+        balancer.share_keys({tenant(0, 0)[7]: (SIZE, 5, home.id)})
+        home.load, home.pending, home.awaiting_first = 2, 40, 2
+        pick = balancer.choose(ready, usable, None, tenant(0, 3), at=0.0)
+        assert pick.endpoint is (home if want == "home" else copy), (fit, pick)
+
+
+def test_a_router_follows_the_fleets_home_where_its_own_record_of_it_is_full() -> None:
+    """This router sent a tenant to one engine; the fleet holds it on another, whose cache
+    this router's own sends fill (a long prompt). It goes to the fleet's home (that rule
+    already counts every router's prefixes against the caches); the rule before kept it
+    where this router had sent it: the routers that disagree keep a second copy."""
+    for fit in (True, False):
+        balancer = CacheAware[Cand](shared_homes=True, fit_holders=fit)
+        ready = cands()
+        mine = balancer.choose(ready, usable, None, tenant(0, 1), at=0.0).endpoint
+        assert mine is not None
+        home = next(c for c in ready if c.id != mine.id)
+        long_prompt = tuple(range(5_000_000, 5_000_110))
+        assert balancer.choose([home], usable, None, long_prompt, at=0.0).endpoint is home
+        assert CACHE - balancer.footprint(home) < SIZE  # no room for it in this record
+        balancer.share_keys({tenant(0, 0)[7]: (SIZE, 5, home.id)})
+        pick = balancer.choose(ready, usable, None, tenant(0, 3), at=0.0)
+        assert pick.endpoint is (home if fit else mine), (fit, pick)
+        assert pick.reason == ("home_again" if fit else "holder")

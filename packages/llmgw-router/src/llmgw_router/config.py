@@ -159,6 +159,12 @@ class CacheAwareConfig(BaseConfig):
     # router's, so routers that each see a part of the traffic place alike. A router with
     # static endpoints only has no control plane to share through.
     share_prefixes: bool = True
+    # With share_prefixes: a prefix the fleet's routers sent somewhere keeps its home
+    # there only while the prefixes held there fit that engine's cache (the rest are
+    # placed by the rule), and a router sends it to that home, not to its own copies
+    # elsewhere; false (the rule before, for comparison): wherever the fleet sent it,
+    # whatever else that engine holds, and a router's own copies still count.
+    fit_holders: bool = True
     # Rank endpoints for a prefix by their slot (Endpoint.slot from the control plane; a
     # static endpoint's `slot`) where set, else by id: a replica that replaces another in
     # its slot (a rolling update) inherits exactly its prefixes. False: by id (for

@@ -76,9 +76,9 @@ class CacheAware(Balancer[L]):
       elsewhere is not moved to a home that changed (a move is a miss): it goes there
       once this router's record of its holder has dropped it. Behind a control plane
       the routers share their recent prefixes (share_keys, the control plane's
-      SharePrefixes): a prefix the fleet's routers sent somewhere has its home where
-      most of its requests went, and the rest are placed over the union of every
-      router's, so routers that each see a part of the traffic agree.
+      SharePrefixes): a prefix the fleet's routers sent somewhere keeps its home where
+      most of its requests went while what is held there fits (placement.place), and
+      the rest are placed over the union of every router's: routers agree.
     - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
       block_time * evicted``: the prefill queued there, the prompt's blocks it does not
       hold, and the live blocks of other prefixes this one would push out of a full cache
@@ -108,8 +108,10 @@ class CacheAware(Balancer[L]):
         rng: random.Random | None = None,
         shared_homes: bool = False,
         use_slots: bool = True,
+        fit_holders: bool = True,
     ) -> None:
         self.epsilon = epsilon
+        self.fit_holders = fit_holders  # see placement.place's fit
         self.use_slots = use_slots
         # The order endpoints were first ranked in: of two in one slot, the older first.
         self._born = FirstSeen()
@@ -263,7 +265,7 @@ class CacheAware(Balancer[L]):
             return None
         # An eighth of each cache is left for the requests in flight and their own
         # (unshared) blocks, which push the least recently used prefixes out too.
-        capacities = [cap - cap // 8 for cap in capacities]
+        whole, capacities = capacities, [cap - cap // 8 for cap in capacities]
         inputs = tuple((c.id, c.weight, cap) for c, cap in zip(ready, capacities, strict=True))
         if inputs != self._homes_for:
             self._ranks.clear()
@@ -293,17 +295,13 @@ class CacheAware(Balancer[L]):
             placed = (
                 {**sizes, **{k: v[0] for k, v in fleet.items() if v[0] > 0}} if fleet else sizes
             )
-            homes = self._homes = place(ranks, placed, capacities)
-            self._homes_for = inputs
+            # Where the fleet's routers sent a prefix (most of its requests): its holder,
+            # its home while what the holder holds fits there (placement.place).
+            at = {c.id: i for i, c in enumerate(ready)}
+            held = {k: at[v[2]] for k, v in fleet.items() if v[2] in at}
+            homes = place(ranks, placed, capacities, held, fit=self.fit_holders, whole=whole)
+            self._homes, self._homes_for = homes, inputs
             self._homes_version = self._keys_version
-        # Where the fleet's routers already sent it (most of its requests), that is its
-        # home: every router then sends it where it is cached, whatever order the
-        # routers saw the prefixes in (the rule places only what the fleet has not).
-        held = self._fleet.get(key)
-        if held is not None and held[2]:
-            for i, c in enumerate(ready):
-                if c.id == held[2]:
-                    return i
         return homes[key]
 
     def _size(self, key: int, prefix: Sequence[int]) -> int:
@@ -342,8 +340,8 @@ class CacheAware(Balancer[L]):
         each see a part of the traffic give each prefix the same home."""
         fleet, was = dict(keys), self._fleet
         self._fleet = fleet
-        # The homes depend on the keys and their sizes, not on the counts.
-        if fleet.keys() != was.keys() or any(fleet[k][0] != was[k][0] for k in fleet):
+        # The homes depend on the keys, their sizes and holders, not on the counts.
+        if fleet.keys() != was.keys() or any(fleet[k][::2] != was[k][::2] for k in fleet):
             self._keys_version += 1
             self._homes = None
 
@@ -459,6 +457,13 @@ class CacheAware(Balancer[L]):
         miss = [size - min(size, h) for h in held]
         # Holders: the longer match first, equals in rendezvous order (sort is stable).
         holders = sorted((i for i in order if match[i]), key=lambda i: -match[i])
+        # A home the fleet agreed on (fit_holders) that holds it: this router's copies
+        # elsewhere are no holders (a send there keeps a copy other homes need room for).
+        fleet_home = self.fit_holders and home_at is not None and block in self._fleet
+        if fleet_home and engine is None and home_at is not None and match[home_at]:
+            for i in holders:
+                match[i], miss[i] = (match[i], miss[i]) if i == home_at else (0, size)
+            holders = [home_at]
         need = min(n, math.ceil(2.0 * self.share(block) * n / (1.0 + self.epsilon) - 1e-9))
         room: list[int | None] | None = None
         new = False
@@ -498,7 +503,8 @@ class CacheAware(Balancer[L]):
                 and not match[home := order[0]]
                 and per_load[home] <= per_load[holders[0]]
                 and (
-                    (free := (room := cache_room(ready, self.footprint))[home]) is None
+                    fleet_home
+                    or (free := (room := cache_room(ready, self.footprint))[home]) is None
                     or free >= miss[home]
                 )
             ):
@@ -508,7 +514,8 @@ class CacheAware(Balancer[L]):
                 # router of a fleet then converges on one home for the prefix, and the
                 # copies elsewhere age out of those caches. (Where the engines report
                 # their caches, every router sees the same holder: it stays there. And
-                # not where home has no room for it: capacity placed it away from home.)
+                # not where home has no room in this router's record, unless the fleet's
+                # rule, which counts every router's prefixes, gave that home.)
                 ranking = [home, *holders, *(i for i in rest if i != home)]
                 reason = "home_again"
             else:

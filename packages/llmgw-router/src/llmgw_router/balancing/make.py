@@ -29,6 +29,7 @@ def make_balancer(
             index_blocks=cache_aware.index_blocks,
             shared_homes=cache_aware.shared_homes,
             use_slots=cache_aware.use_slots,
+            fit_holders=cache_aware.fit_holders,
         )
     if name == "least_outstanding":
         return LeastOutstanding(rng)
