@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from llmgw_router.balancing.base import Balancer, L, Pick
-from llmgw_router.balancing.index import MASK, FirstSeen, PrefixIndex
+from llmgw_router.balancing.index import MASK, FirstSeen, PrefixIndex, endpoint_ident
 from llmgw_router.balancing.model import cache_room, ttft_costs
 from llmgw_router.balancing.placement import place
 
@@ -125,7 +124,6 @@ class CacheAware(Balancer[L]):
         self.window = max(1, window)
         self.rng = rng or random.Random()
         self._indexes: dict[str, PrefixIndex] = {}
-        self._id_hashes: dict[str, int] = {}
         self._turn = 0
         self._recent: deque[int] = deque()
         self._recent_counts: dict[int, int] = {}
@@ -194,13 +192,6 @@ class CacheAware(Balancer[L]):
         index = self._index(c)
         return index.footprint(self._tick - self.window + 1) if index is not None else 0
 
-    def _ident(self, endpoint_id: str) -> int:
-        ident = self._id_hashes.get(endpoint_id)
-        if ident is None:
-            raw = endpoint_id.encode()
-            ident = self._id_hashes[endpoint_id] = zlib.crc32(raw) | (zlib.adler32(raw) << 32)
-        return ident
-
     def share(self, key: int) -> float:
         """The share of the recent picks (this one included) whose rendezvous block is ``key``."""
         recent, counts = self._recent, self._recent_counts
@@ -243,7 +234,7 @@ class CacheAware(Balancer[L]):
             # The endpoint's slot where set (a replacement ranks where its predecessor
             # did, after it while both serve), else its id. splitmix64 of it and the block.
             slot = c.slot if self.use_slots else ""
-            x = ((key ^ self._ident(slot or c.id)) + 0x9E3779B97F4A7C15) & MASK
+            x = ((key ^ endpoint_ident(slot or c.id)) + 0x9E3779B97F4A7C15) & MASK
             x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
             x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
             mixed = x ^ (x >> 31)

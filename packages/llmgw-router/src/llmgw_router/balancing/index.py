@@ -3,14 +3,24 @@ the order it first ranked the endpoints in."""
 
 from __future__ import annotations
 
+import functools
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from llmgw_router.balancing.base import Candidate
 
-__all__ = ["MASK", "FirstSeen", "PrefixIndex", "mix"]
+__all__ = ["MASK", "FirstSeen", "PrefixIndex", "endpoint_ident", "mix"]
 
 MASK = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=4096)
+def endpoint_ident(endpoint_id: str) -> int:
+    """An endpoint id's (or slot's) 64-bit identity in the rendezvous ranking, the same in
+    every process; the last 4,096 ids' are kept (a fleet's churn of ids stays bounded)."""
+    raw = endpoint_id.encode()
+    return zlib.crc32(raw) | (zlib.adler32(raw) << 32)
 
 
 def mix(x: int) -> int:
