@@ -19,6 +19,8 @@ from signal import SIGKILL, SIGTERM
 from typing import TypeVar
 
 __all__ = [
+    "ENGINE_PORTS",
+    "PROGRAM_PORTS",
     "Proc",
     "engine_port_range",
     "free_port",
@@ -26,21 +28,69 @@ __all__ = [
     "port_open",
     "wait_for",
     "wait_for_async",
+    "worker_slice",
 ]
 
 T = TypeVar("T")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-# Engine ports come from a range of their own below Linux's ephemeral ports (32768+), where
-# free_port() finds the programs' ports, so the two never meet.
+# The programs' ports (free_port) and the engines' (engine_port_range) come from ranges
+# of their own, below Linux's ephemeral ports (32768+ by default). A port that bind(0)
+# returns is one the kernel may give an outgoing connection as its source port a moment
+# later: a CI run saw a control plane refuse its admin port, taken by a test worker's own
+# client connection.
+PROGRAM_PORTS = (10000, 20000)
 ENGINE_PORTS = (20000, 32000)
+# This process's next program port (its slice of PROGRAM_PORTS, taken in turn).
+_next_port: list[int] = []
+
+
+def worker_slice(
+    low: int, high: int, worker: str | None = None, workers: int | None = None
+) -> tuple[int, int]:
+    """Under pytest-xdist (PYTEST_XDIST_WORKER=gwN of PYTEST_XDIST_WORKER_COUNT, unless
+    given) worker N's share of [low, high), so two workers never hand out the same port;
+    otherwise all of it."""
+    if worker is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if workers is None:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit():
+        count = max(workers, int(worker[2:]) + 1)
+        width = (high - low) // count
+        low += int(worker[2:]) * width
+        high = low + width
+    return low, high
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago: the next free one of this
+    process's slice of :data:`PROGRAM_PORTS` (no port twice until the slice wraps round),
+    or the kernel's choice where its ephemeral ports reach down into that range."""
+    low, high = worker_slice(*PROGRAM_PORTS)
+    if _ephemeral_low() < PROGRAM_PORTS[1] or high - low < 1:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return int(sock.getsockname()[1])
+    if not _next_port:
+        _next_port.append(low + (os.getpid() * 7919) % (high - low))
+    for _ in range(high - low):
+        port = _next_port[0]
+        _next_port[0] = low + (port + 1 - low) % (high - low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {low}-{high - 1} on {host}")
 
 
 def engine_port_range(size: int = 500, salt: int = 97) -> tuple[int, int]:
@@ -49,15 +99,9 @@ def engine_port_range(size: int = 500, salt: int = 97) -> tuple[int, int]:
     Under pytest-xdist each worker (PYTEST_XDIST_WORKER=gwN) draws from its own slice of
     :data:`ENGINE_PORTS`, so two tests running at once never hand out the same port; the
     process id moves the block between runs."""
-    low, high = ENGINE_PORTS
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw") and worker[2:].isdigit():
-        count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(worker[2:]) + 1)
-        width = (high - low) // count
-        if width < size:
-            raise ValueError(f"{count} workers leave {width} engine ports each, under {size}")
-        low += int(worker[2:]) * width
-        high = low + width
+    low, high = worker_slice(*ENGINE_PORTS)
+    if high - low < size:
+        raise ValueError(f"the workers leave {high - low} engine ports each, under {size}")
     first = low + (os.getpid() * salt) % (high - low - size + 1)
     return first, first + size - 1
 
