@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,11 @@ import yaml
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw_proto import v1
 from llmgw_proto.backoff import Backoff
+from llmgw_testkit import free_port
 
 CONNECT = "/llmgw.v1.AgentService/Connect"
 S = v1.ShardState
 GiB = 2**30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(url: str) -> Any:

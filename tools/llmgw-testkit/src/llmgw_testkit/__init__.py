@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import subprocess
@@ -63,7 +64,10 @@ def worker_slice(
     return low, high
 
 
+@functools.cache
 def _ephemeral_low() -> int:
+    """The lowest of the kernel's ephemeral ports (read once: it does not change under a
+    test run)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
