@@ -96,7 +96,6 @@ import atexit
 import contextlib
 import dataclasses
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -132,8 +131,9 @@ from routing_workloads import (
     USER_TOKENS,
     WORKLOADS,
     Shape,
-    make_words,
+    tight_kv_blocks,
     vocabulary,
+    words_bytes_per_token,
 )
 
 
@@ -260,14 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     use_uvloop()
     SKEW.update(zipf=args.zipf, conversations=args.conversations, turns=args.turns)
     fleet = Fleet(args.engines, args.time_scale, args.kv_blocks)
-    system_blocks = math.ceil(args.shape.system / fleet.block_size)
-    kv_blocks = {
-        "roomy": args.kv_blocks,
-        "tight": math.ceil(args.shape.tenants * system_blocks / 4) + 88,
-    }
-    # The tenants' prompt bytes per token (a word), as an operator would configure it.
-    sample = make_words("t10", args.shape.system)
-    bytes_per_token = round((len(sample) + 1) / args.shape.system, 2)
+    kv_blocks = {"roomy": args.kv_blocks, "tight": tight_kv_blocks(args.shape, fleet.block_size)}
+    bytes_per_token = words_bytes_per_token(args.shape)
     if args.precise:
         if args.engine != "sim" or args.fleets != ["control"]:
             parser.error("--precise needs the simulated engines under the control fleet")

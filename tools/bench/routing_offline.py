@@ -28,7 +28,13 @@ from llmgw_control.prefixes import merge
 from llmgw_router.balancing import CacheAware
 from llmgw_router.balancing.prefix import prefix_blocks, prompt_text
 from llmgw_testkit.candidates import Cand, usable
-from routing_workloads import Shape, arrival_times, make_words, request_bodies
+from routing_workloads import (
+    Shape,
+    arrival_times,
+    request_bodies,
+    tight_kv_blocks,
+    words_bytes_per_token,
+)
 
 BLOCK_TOKENS = 16
 ENGINES = 4
@@ -79,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = Shape()
     system_blocks = -(-shape.system // BLOCK_TOKENS)
-    kv_blocks = -(-shape.tenants * system_blocks // 4) + 88  # bench_routing's tight cache
-    bytes_per_token = round((len(make_words("t10", shape.system)) + 1) / shape.system, 2)
+    kv_blocks = tight_kv_blocks(shape, BLOCK_TOKENS)
+    bytes_per_token = words_bytes_per_token(shape)
     cache_blocks = int(kv_blocks * BLOCK_TOKENS / (BLOCK_BYTES / bytes_per_token))
     times = arrival_times(args.rate, args.seconds, args.seed)
     bodies = request_bodies("tenants x4", len(times), args.seed, shape)

@@ -4,6 +4,7 @@ hot, zipf, multi-turn conversations) and their Poisson arrival times."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,17 @@ USER_VOCABULARY = 5000
 def make_words(prefix: str, n: int) -> str:
     # One simulator token per word ("t3w17" with its leading space).
     return " ".join(f"{prefix}w{i}" for i in range(n))
+
+
+def tight_kv_blocks(shape: Shape, block_tokens: int) -> int:
+    """The tight cache per engine: a quarter of all the tenants' prefixes, plus 88 blocks
+    for the requests in flight (1,088 blocks of 16 tokens at the default shape)."""
+    return math.ceil(shape.tenants * math.ceil(shape.system / block_tokens) / 4) + 88
+
+
+def words_bytes_per_token(shape: Shape) -> float:
+    """The tenants' prompt bytes per token (a word), as an operator would configure it."""
+    return round((len(make_words("t10", shape.system)) + 1) / shape.system, 2)
 
 
 def vocabulary(shape: Shape) -> list[str]:
