@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ __all__ = [
     "adapter_for",
     "api_key_options",
     "build_launch",
+    "new_api_key",
     "reachability_problem",
     "with_api_key",
 ]
@@ -382,6 +384,13 @@ def build_launch(
         kv_events_endpoint=kv[0] if kv else "",
         kv_events_topic=kv[1] if kv else "",
     )
+
+
+def new_api_key() -> str:
+    """A fresh engine secret: 256 random bits in hex. Never base64url: one key in 64
+    began with ``-``, which argparse (vLLM's ``--api-key``, SGLang's ``--config`` file
+    turned into argv) takes for an option, and the engine exited with status 2."""
+    return secrets.token_hex(32)
 
 
 def with_api_key(adapter: Adapter, launch: Launch, api_key: str, options_file: str = "") -> Launch:

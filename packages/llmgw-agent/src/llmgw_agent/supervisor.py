@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import hashlib
 import os
-import secrets
 import signal
 import subprocess
 import tempfile
@@ -36,6 +35,7 @@ from llmgw_agent import serving
 from llmgw_agent.adapters import (
     adapter_for,
     api_key_options,
+    new_api_key,
     redacted_argv,
     with_api_key,
     with_kv_endpoint,
@@ -432,7 +432,7 @@ class Supervisor:
         private_dir(path.parent)
         # SGLang reads the key from an options file beside the record, not from argv.
         options = path.with_name(path.stem + ".options.yaml")
-        key = secrets.token_urlsafe(32)
+        key = new_api_key()
         launch = with_api_key(decided.adapter, launch, key, str(options))
         decided = dataclasses.replace(decided, launch=launch)
         if launch.api_key_file:
