@@ -19,8 +19,8 @@ prefixes' new homes; ``cold`` with 0 and the router's warming off.
 
 Printed per run: TTFT p90 per 10 s window (by send time), the steady p90 (the last
 window before the rollout), the worst window's ratio to it, requests over 250 ms per
-window, and per window the engines' prefix-cache hit rate (the warm copies' own prefill
-included), the router's picks by reason and its warm copies; the replicas' state changes;
+window and each one from the rollout on (send time, tenant, TTFT), and per window the
+engines' prefix-cache hit rate (the warm copies' own prefill included), the router's picks by reason and its warm copies; the replicas' state changes;
 the warming's prompt tokens (the router's ``llmgw_router_warm_prompt_tokens_total``,
 which it estimates at 4 prompt bytes a token, turned into the workload's tokens; an upper
 bound of the extra prefill, as a warm copy may hit some cache) per replaced replica
@@ -282,11 +282,16 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
         states = [r["state"] for r in cluster.replicas(MODEL)]
     windows: dict[int, list[float]] = {}
     failed = 0
-    for at, ttft in zip(times, results, strict=True):
+    tenant_of = {make_words(f"t{t}", shape.system): f"t{t}" for t in range(shape.tenants)}
+    slow: list[tuple[float, str, float]] = []
+    for at, ttft, body in zip(times, results, bodies, strict=True):
         if ttft is None:
             failed += 1
             continue
         windows.setdefault(int(at // 10), []).append(ttft)
+        if ttft > SLOW and at >= args.rollout_at:
+            system = json.loads(body)["messages"][0]["content"]
+            slow.append((round(at, 1), tenant_of.get(system, "?"), round(1000 * ttft)))
     roll_window = int(args.rollout_at // 10)
     # Steady: the last window before the rollout (the 32 tenants' caches fill in ~20 s).
     steady = windows.get(roll_window - 1, [])
@@ -335,6 +340,8 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
             f"{10 * w}-{10 * w + 10}s": sum(v > SLOW for v in vs)
             for w, vs in sorted(windows.items())
         },
+        # Each slow request from the rollout on: (send time, tenant, TTFT in ms).
+        "slow_after_rollout": slow,
         "by_window": per_window,
         "replica_events": events,
     }
