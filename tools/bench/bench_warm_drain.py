@@ -383,9 +383,17 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--keep-logs", type=Path, help="the processes' logs go here, kept (default: deleted)"
+    )
     args = parser.parse_args()
     use_uvloop()
-    with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep_logs is not None:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep_logs)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-warm-"))
         for rep in range(args.repeat):
             order = (True, False) if rep % 2 == 0 else (False, True)
             for warm in order if args.only is None else (args.only == "warm",):
