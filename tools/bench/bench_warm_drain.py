@@ -88,7 +88,12 @@ ADMINS: list[int] = []
 
 @contextlib.contextmanager
 def router_up(
-    cluster: Cluster, logs: Path, warming: bool, fraction: float, slots: bool = True
+    cluster: Cluster,
+    logs: Path,
+    warming: bool,
+    fraction: float,
+    slots: bool = True,
+    log_level: str = "info",
 ) -> Iterator[str]:
     """One llmgw router (cache_aware) fed by the cluster's control plane, its warming on
     or off, ranking by slot or (``slots`` false) by endpoint id; ready once every
@@ -112,7 +117,7 @@ def router_up(
             }
         )
     )
-    argv = [str(BIN / "llmgw-router"), "serve", "--config", str(config), "--log-level", "info"]
+    argv = [str(BIN / "llmgw-router"), "serve", "--config", str(config), "--log-level", log_level]
     with serving(
         argv,
         health=f"http://127.0.0.1:{admin}/readyz",
@@ -243,7 +248,9 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
         cluster.start_agent("node-0", gpus=fleet.engines + 1)
         replicas = cluster.wait_replicas(MODEL, fleet.engines, timeout=120)
         engines = sorted(str(r["endpoint"]) for r in replicas)
-        with router_up(cluster, logs, warm, args.warm_fraction, not args.no_slots) as url:
+        with router_up(
+            cluster, logs, warm, args.warm_fraction, not args.no_slots, args.router_log_level
+        ) as url:
             rolled: dict[str, float] = {}
             before: list[dict[str, float]] = []
             per_window: list[dict[str, object]] = []
@@ -251,6 +258,7 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
             # The replaced engines' prompt tokens over their whole life, last read.
             lifetime = dict.fromkeys(engines, 0.0)
             start = time.monotonic() + 0.2
+            start_unix = time.time() + 0.2
 
             def mark() -> None:
                 time.sleep(max(0.0, start + args.rollout_at - 0.5 - time.monotonic()))
@@ -306,6 +314,8 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
     )
     return {
         "warm": warm,
+        # The wall clock at the bench's second 0, to line a send time up with the logs.
+        "start_unix": round(start_unix, 3),
         "min_ready": args.min_ready,
         "slots": not args.no_slots,
         "warm_fraction": args.warm_fraction,
@@ -383,6 +393,12 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--router-log-level",
+        default="info",
+        choices=("debug", "info"),
+        help="debug: the router logs each pick (endpoint, reason); with --keep-logs",
+    )
     parser.add_argument(
         "--keep-logs", type=Path, help="the processes' logs go here, kept (default: deleted)"
     )

@@ -184,6 +184,29 @@ async def test_a_joiner_is_held_out_until_its_copies_are_answered() -> None:
     assert len(pool.sent) == len(homed) + len(moved)
 
 
+async def test_a_held_joiner_is_released_when_the_leaving_endpoint_is_gone() -> None:
+    """The control plane drains a leaving endpoint after a bounded warning, warm copies
+    answered or not: its prefixes then go to their new homes, the joiner among them,
+    not to a third endpoint while the joiner is still held."""
+    pool = _Pool()
+    ids = ["a", "b", "c"]
+    state, warmer = fleet(ids, pool)
+    for key in range(60):
+        for _ in range(3 if key % 3 == 0 else 1):
+            warmer.recent.note(ids[key % 3], _Ctx(key, 400))  # type: ignore[arg-type]
+    swap(state, [spec("a", leaving=True), spec("b"), spec("c"), spec("new")])
+    await asyncio.wait_for(pool.started.wait(), timeout=10)
+    assert "new" in warmer.excluded  # its copies are not answered
+    # The warning is over: "a" is drained, no longer published.
+    swap(state, [spec("b"), spec("c"), spec("new")])
+    assert "new" not in warmer.excluded
+    tier = list(state.endpoints.endpoints)
+    assert [ep.id for ep in warmer.staying(tier)] == ["b", "c", "new"]
+    pool.gate.set()
+    await asyncio.gather(*list(warmer._tasks))
+    assert warmer.excluded == frozenset()
+
+
 async def test_a_joiner_with_nothing_to_warm_takes_requests_at_once() -> None:
     pool = _Pool()
     state, warmer = fleet(["a", "b"], pool)

@@ -35,8 +35,10 @@ prefix would miss on the empty newcomer. So on seeing a new endpoint, this route
   staying peers were sent lately), copies of those whose new home (the first of the
   ranking of the staying endpoints, the newcomer among them) is the newcomer;
 - holds the newcomer out of its picks until those copies are answered (at most
-  ``warming.timeout``): meanwhile its prefixes stay with their holders (a leaving one
-  included: a leaving endpoint done warming still takes requests while a joiner is held);
+  ``warming.timeout``, and no longer than a leaving endpoint stays published: once one is
+  gone its prefixes' new homes must take them, warm or not): meanwhile its prefixes stay
+  with their holders (a leaving one included: a leaving endpoint done warming still takes
+  requests while a joiner is held);
   a copy answered points the index at it, so the prefix then goes there as a held one.
   With nothing to warm, it takes requests at once.
 
@@ -278,6 +280,11 @@ class Warmer:
         leaving = frozenset(ep.id for ep in endpoints if ep.spec.leaving)
         new = leaving - self.leaving
         joined = [ep for ep in endpoints if ep.id not in self._known and not ep.spec.leaving]
+        if self.leaving - present:
+            # A leaving endpoint is gone (its warning ended, the control plane drains it):
+            # its prefixes have no holder left, and a held joiner is the new home of some.
+            # Held out, they would go to a third endpoint and miss there.
+            self._held.clear()
         self.leaving = leaving
         self._known = present
         self._left &= leaving
