@@ -20,8 +20,9 @@ prefixes' new homes; ``cold`` with 0 and the router's warming off.
 Printed per run: TTFT p90 per 10 s window (by send time), the steady p90 (the last
 window before the rollout), the worst window's ratio to it, requests over 250 ms per
 window and each one from the rollout on (send time, tenant, TTFT), and per window the
-engines' prefix-cache hit rate (the warm copies' own prefill included), the router's picks by reason and its warm copies; the replicas' state changes;
-the warming's prompt tokens (the router's ``llmgw_router_warm_prompt_tokens_total``,
+engines' prefix-cache hit rate (the warm copies' own prefill included), the router's
+picks by reason and its warm copies; the replicas' state changes; the warming's prompt
+tokens (the router's ``llmgw_router_warm_prompt_tokens_total``,
 which it estimates at 4 prompt bytes a token, turned into the workload's tokens; an upper
 bound of the extra prefill, as a warm copy may hit some cache) per replaced replica
 against the prompt tokens a replica was sent before the rollout (``vllm:prompt_tokens_total``,
@@ -291,7 +292,7 @@ def run(warm: bool, args: argparse.Namespace, logs: Path, seed: int) -> dict[str
     windows: dict[int, list[float]] = {}
     failed = 0
     tenant_of = {make_words(f"t{t}", shape.system): f"t{t}" for t in range(shape.tenants)}
-    slow: list[tuple[float, str, float]] = []
+    slow: list[tuple[float, str, int]] = []
     for at, ttft, body in zip(times, results, bodies, strict=True):
         if ttft is None:
             failed += 1

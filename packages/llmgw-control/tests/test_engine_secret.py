@@ -70,7 +70,7 @@ def _info(api_key: str) -> EndpointInfo:
     )
 
 
-# Secrets like the agent's (secrets.token_hex): long enough to be in no other field.
+# Secrets like the agent's (hex now; any URL-safe text here): long enough to be in no other field.
 @given(st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=16, max_size=43))
 def test_routers_get_the_secret_and_logs_never_see_it(key: str) -> None:
     info = _info(key)
