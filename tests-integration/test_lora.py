@@ -6,7 +6,9 @@ adapter at once, three adapters. The router lists the adapters with their base m
 parent; a request for an adapter no engine holds is held, the control plane loads it on
 a replica, and the request is answered; later requests go to the holder (a replica
 without it would answer 404, as vLLM does); a third adapter on full engines unloads the
-least recently used one.
+least recently used one. The same on simulated SGLang engines, which take the adapter
+from the body's ``lora_path`` (the router sets it) and answer any model name with the
+base model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import urllib.request
 from typing import Any
 
 import openai
+import pytest
 from llmgw_control.cli import render_status
 from llmgw_testkit import wait_for
 from llmgw_testkit.cluster import Cluster, vllm_profile
@@ -33,13 +36,19 @@ def _holders(cluster: Cluster, adapter: str) -> list[str]:
     return holders
 
 
-def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(cluster: Cluster) -> None:
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(
+    cluster: Cluster, engine: str
+) -> None:
     profile = vllm_profile(
         replicas=2,
         # Unused for 1 s before it may be unloaded: the router reports use every 200 ms.
         lora={"max_loras": 1, "max_rank": 16, "min_idle": "1s"},
         env={"LLMGW_SIM_LORA_LOAD_TIME": "0.2"},
     )
+    # SGLang answers any model name with its base model and takes the adapter from the
+    # body's lora_path, which the router sets (and removes from a base model's request).
+    profile["engine"] = engine
     model = {
         "name": "base",
         "profiles": {"default": profile},
@@ -60,10 +69,20 @@ def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(cluster:
         base_url=f"{cluster.router_url}/v1", api_key="x", max_retries=0, timeout=90
     )
 
-    def ask(adapter: str) -> str:
-        out = client.completions.create(model=adapter, prompt="hello", max_tokens=3)
-        assert out.model == adapter
+    def answer(model: str, **extra: Any) -> str:
+        out = client.completions.create(model=model, prompt="hello", max_tokens=3, **extra)
+        assert out.model == model
         return out.choices[0].text
+
+    # The base model's answer; an adapter answers differently (each engine is greedy).
+    base = answer("base")
+    answers: dict[str, str] = {}
+
+    def ask(adapter: str) -> str:
+        text = answer(adapter)
+        assert text != base, f"{adapter} was answered by the base model"
+        assert answers.setdefault(adapter, text) == text
+        return text
 
     # No engine holds it: held at the router, loaded by the control plane, answered.
     assert _holders(cluster, "sql") == []
@@ -77,6 +96,9 @@ def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(cluster:
         assert ask("sql")
     assert _lora(cluster)["loads"] == 1
     assert _holders(cluster, "sql") == [sql_holder]
+    # A client's own lora_path (SGLang's field) chooses nothing: the model does.
+    for _ in range(4):
+        assert answer("base", extra_body={"lora_path": "sql"}) == base
 
     # A second adapter goes to the replica with a free slot.
     assert ask("chat")

@@ -112,6 +112,21 @@ def test_adapter_errors_name_the_field(tmp_path: Path, change: Any, field: str, 
     assert words in text, text
 
 
+def test_an_sglang_served_adapter_has_no_colon_in_its_name(tmp_path: Path) -> None:
+    # SGLang reads a request's model "base:adapter" as the adapter after the ':'.
+    model = base("sglang")
+    model["adapters"].append({"name": "team:sql", "source": "/models/t"})
+    with pytest.raises(ConfigError) as info:
+        load_control_config(write(tmp_path, [model]))
+    assert "$.models[0].adapters[2].name" in str(info.value)
+    assert "SGLang reads" in str(info.value)
+    # vLLM takes the name whole.
+    model = base("vllm")
+    model["adapters"].append({"name": "team:sql", "source": "/models/t"})
+    catalog = load_control_config(write(tmp_path, [model])).catalog
+    assert catalog.adapter("team:sql") is not None
+
+
 def test_adapter_name_clashing_with_another_models_served_name(tmp_path: Path) -> None:
     other = {"name": "sql", "profiles": {"default": {"engine": "vllm"}}}
     with pytest.raises(ConfigError) as info:

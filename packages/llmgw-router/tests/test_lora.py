@@ -3,12 +3,21 @@ adapters and their allow-lists, demand counting, and prefix keys per adapter."""
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 from llmgw_router.balancing.prefix import prefix_blocks
 from llmgw_router.config import ApiKey
 from llmgw_router.endpoints import Endpoint, EndpointSpec
-from llmgw_router.lora import LoraBook, adapter_entries, apply_adapters, holders, keyed_prompt
+from llmgw_router.lora import (
+    LoraBook,
+    adapter_entries,
+    apply_adapters,
+    holders,
+    keyed_prompt,
+    sglang_adapter_body,
+)
 
 
 def _eps(n: int) -> dict[str, Endpoint]:
@@ -72,3 +81,50 @@ def test_prefix_blocks_of_an_adapter_differ_from_the_base_models() -> None:
     chat = prefix_blocks(keyed_prompt("chat", text), 64, 64)
     assert not set(base) & set(sql)
     assert not set(sql) & set(chat)
+
+
+# --- SGLang names the adapter in lora_path -------------------------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def test_sglang_body_carries_the_requests_adapter_and_no_other() -> None:
+    body = b'{"model":"sql","prompt":"hi"}'
+    assert json.loads(sglang_adapter_body(body, "sql")) == {
+        "model": "sql",
+        "prompt": "hi",
+        "lora_path": "sql",
+    }
+    # A base model's request goes unchanged when nothing in it can name an adapter ...
+    assert sglang_adapter_body(body, "") is body
+    # ... and loses a lora_path the client wrote, however it is spelt.
+    for sneaky in (
+        b'{"model":"base","lora_path":"secret"}',
+        b'{"model":"base","lora\\u005fpath":"secret"}',
+        b'{"lora_path":"a","model":"base","lora_path":"b"}',
+    ):
+        assert json.loads(sglang_adapter_body(sneaky, "")) == {"model": "base"}
+    # The client's lora_path never replaces the adapter the request was allowed.
+    assert json.loads(sglang_adapter_body(b'{"lora_path":"x"}', "sql")) == {"lora_path": "sql"}
+    # Not a JSON object: the engine answers it.
+    assert sglang_adapter_body(b"[1]", "sql") == b"[1]"
+    assert sglang_adapter_body(b"not json", "sql") == b"not json"
+
+
+@given(
+    st.dictionaries(st.text(max_size=10), _JSON, max_size=6), st.sampled_from(["", "sql", "a/b"])
+)
+def test_sglang_body_is_the_request_with_only_lora_path_changed(
+    request: dict[str, object], adapter: str
+) -> None:
+    out = json.loads(sglang_adapter_body(json.dumps(request).encode(), adapter))
+    expected = {k: v for k, v in request.items() if k != "lora_path"}
+    if adapter:
+        expected["lora_path"] = adapter
+    assert out == expected

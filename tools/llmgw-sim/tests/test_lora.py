@@ -17,9 +17,17 @@ SG_LORA = ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "a
 def test_sglang_loads_and_unloads_adapters_at_runtime(tmp_path: Path) -> None:
     args = [*SG_LORA, "--max-loras-per-batch", "2", "--sim-lora-load-time", "0.05"]
     with start(tmp_path, "sglang", args) as sim, httpx.Client(timeout=10) as c:
-        body = {"model": "sql", "messages": [{"role": "user", "content": "x"}]}
-        # Not loaded: the model does not exist.
-        assert c.post(sim.url + "/v1/chat/completions", json=body).status_code == 404
+        # SGLang takes the adapter from lora_path (or a model "base:adapter"), not from
+        # the model name, which it does not check: "sql" alone is the base model.
+        base = {"model": "sql", "messages": [{"role": "user", "content": "x"}]}
+        body = {**base, "lora_path": "sql"}
+        r = c.post(sim.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400
+        assert r.json()["message"].startswith(
+            "The following requested LoRA adapters are not loaded: sql\n"
+        )
+        plain = c.post(sim.url + "/v1/chat/completions", json=base)
+        assert plain.status_code == 200
         r = c.post(sim.url + "/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/l/s"})
         assert r.status_code == 200
         assert r.json() == {
@@ -31,14 +39,20 @@ def test_sglang_loads_and_unloads_adapters_at_runtime(tmp_path: Path) -> None:
         assert again.status_code == 400
         assert again.json()["success"] is False
         assert "already loaded" in again.json()["error_message"]
-        assert c.post(sim.url + "/v1/chat/completions", json=body).status_code == 200
+        served = c.post(sim.url + "/v1/chat/completions", json=body)
+        assert served.status_code == 200
+        by_model = c.post(sim.url + "/v1/chat/completions", json={**base, "model": "m:sql"})
+        text = served.json()["choices"][0]["message"]["content"]
+        # The adapter answers differently from the base model, however it is named.
+        assert text != plain.json()["choices"][0]["message"]["content"]
+        assert by_model.json()["choices"][0]["message"]["content"] == text
         r = c.post(sim.url + "/unload_lora_adapter", json={"lora_name": "sql"})
         assert r.status_code == 200
         assert r.json()["loaded_adapters"] == {}
         r = c.post(sim.url + "/unload_lora_adapter", json={"lora_name": "sql"})
         assert r.status_code == 400
         assert "not loaded" in r.json()["error_message"]
-        assert c.post(sim.url + "/v1/chat/completions", json=body).status_code == 404
+        assert c.post(sim.url + "/v1/chat/completions", json=body).status_code == 400
 
 
 def test_sglang_lora_without_paths_needs_rank_and_modules(tmp_path: Path) -> None:

@@ -43,19 +43,29 @@ def test_sglang_api_and_metrics(tmp_path: Path) -> None:
         r = httpx.get(sim.url + "/v1/models", headers={"Authorization": "Bearer k"})
         assert [m["id"] for m in r.json()["data"]] == ["qwen"]
         assert httpx.get(sim.url + "/v1/models").status_code == 401
-        r = httpx.post(
-            sim.url + "/v1/chat/completions",
-            headers={"Authorization": "Bearer k"},
-            json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
-        )
-        assert r.status_code == 404
-        assert r.json()["object"] == "error"
         text = httpx.get(sim.url + "/metrics").text
         samples = parse_prometheus(text)
         assert samples['sglang:num_running_reqs{model_name="qwen"}'] == 0
         assert samples['sglang:num_queue_reqs{model_name="qwen"}'] == 0
         assert samples['sglang:generation_tokens_total{model_name="qwen"}'] == 6
         assert httpx.get(sim.url + "/get_model_info").json()["model_path"] == "org/model"
+        # SGLang's OpenAI routes answer any model name with the model they serve
+        # (sgl-project/sglang#7035, #10065); the answer repeats the name asked for.
+        r = httpx.post(
+            sim.url + "/v1/chat/completions",
+            headers={"Authorization": "Bearer k"},
+            json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 200
+        assert r.json()["model"] == "other"
+        # A "base:adapter" model names an adapter, and none is loaded.
+        r = httpx.post(
+            sim.url + "/v1/chat/completions",
+            headers={"Authorization": "Bearer k"},
+            json={"model": "qwen:sql", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 400
+        assert "requested LoRA adapters are not loaded: sql" in r.json()["message"]
 
 
 def test_sglang_unknown_flag_exits_2(tmp_path: Path) -> None:

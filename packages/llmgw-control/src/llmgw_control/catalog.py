@@ -325,6 +325,9 @@ def build_catalog(models: list[ModelConfig], source: str) -> Catalog:
             names,
             source,
             f"$.models[{i}]",
+            sglang=any(
+                p.lora is not None and p.engine == "sglang" for p in model.profiles.values()
+            ),
         )
         for a in listed:
             names[a.name] = f"an adapter of model {model.name!r}"

@@ -80,10 +80,13 @@ def check_adapters(
     names: Mapping[str, str],
     source: str,
     where: str,
+    sglang: bool = False,
 ) -> list[AdapterSpec]:
     """A model's adapters checked: plain unique names that no model serves, a source each,
     and a profile that loads adapters. ``names`` maps every name taken so far to what
-    takes it (served model names and adapters of earlier models)."""
+    takes it (served model names and adapters of earlier models). ``sglang``: an SGLang
+    profile serves them, and SGLang reads a request's `model` of ``base:adapter`` as that
+    adapter, so an adapter's name has no ``:``."""
     out: list[AdapterSpec] = []
     if adapters and not has_lora:
         raise ConfigError(
@@ -100,6 +103,14 @@ def check_adapters(
                 source,
                 f"adapter name {name!r} must start with a letter or digit and contain no "
                 "spaces (letters, digits and . _ : / @ + -)",
+                f"{at}.name",
+            )
+        if sglang and ":" in name:
+            raise ConfigError(
+                source,
+                f"adapter name {name!r} has a ':', and an sglang profile of model {model!r} "
+                "serves it: SGLang reads a request's model 'base:adapter' as the adapter "
+                "after the ':', so the name must not contain one",
                 f"{at}.name",
             )
         if name in seen:

@@ -14,6 +14,14 @@ a replica that loads it; a replica without the adapter would answer 404.
 `/v1/models` lists each adapter with its base model as `parent`, as vLLM does. A
 prefix under one adapter is not cached under another: the prefix blocks of an
 adapter's request are keyed on the adapter too.
+
+The engines name the adapter differently. vLLM serves an adapter as a model of its own
+(`model` is the adapter's name, and an unknown name is a 404). SGLang's OpenAI routes
+answer any `model` with the base model: they take the adapter from a `model` of
+``base:adapter`` or from the body's ``lora_path``. So a request an SGLang engine gets
+carries ``lora_path``: the adapter the request names (the name it was allow-listed
+under), and none for the base model, whatever the client wrote there (a client's own
+``lora_path`` would choose an adapter past the key's allow-list).
 """
 
 from __future__ import annotations
@@ -22,7 +30,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LoraBook", "adapter_entries", "apply_adapters", "holders", "keyed_prompt"]
+import msgspec
+
+__all__ = [
+    "LoraBook",
+    "adapter_entries",
+    "apply_adapters",
+    "holders",
+    "keyed_prompt",
+    "sglang_adapter",
+    "sglang_adapter_body",
+]
 
 
 @dataclass
@@ -97,3 +115,29 @@ def apply_adapters(
                 ep.adapters = frozenset()
                 changed = True
     return changed
+
+
+def sglang_adapter(body: dict[str, Any], adapter: str) -> dict[str, Any]:
+    """An SGLang engine's request body: ``lora_path`` the adapter (``""``: the base model,
+    and no ``lora_path`` at all)."""
+    out = {k: v for k, v in body.items() if k != "lora_path"}
+    if adapter:
+        out["lora_path"] = adapter
+    return out
+
+
+def sglang_adapter_body(body: bytes, adapter: str) -> bytes:
+    """``sglang_adapter`` on a JSON body. Unchanged when it needs no change (a base-model
+    request whose body cannot name ``lora_path``: no such key, and no ``\\u`` escape that
+    could spell one) or is not a JSON object (the engine answers that itself)."""
+    if not adapter and b"lora_path" not in body and b"\\u" not in body:
+        return body
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body
+    if not isinstance(decoded, dict):
+        return body
+    if not adapter and "lora_path" not in decoded:
+        return body
+    return msgspec.json.encode(sglang_adapter(decoded, adapter))

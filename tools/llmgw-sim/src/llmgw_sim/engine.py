@@ -268,14 +268,36 @@ class Engine:
         return self.error(503, "The server is still loading the model.")
 
     def check_model(self, model: str | None) -> Response | None:
+        # llama-server serves one model whatever a request names, and so do SGLang's
+        # OpenAI routes (a `model` of "base:adapter" names an adapter: adapter_for).
         if (
             model is None
-            or self.kind == "llama-server"
+            or self.kind in ("llama-server", "sglang")
             or model in self._names
             or model in self.loras
         ):
             return None
         return self.error(404, f"The model `{model}` does not exist.")
+
+    def adapter_for(self, model: str | None, lora_path: object) -> str | Response | None:
+        """The LoRA adapter a generation request names, as the engine reads it (None: the
+        base model). vLLM: the adapter is the model (check_model refused any other name).
+        SGLang: the adapter after the ':' of a model "base:adapter", else the body's
+        ``lora_path``; one not loaded is refused as SGLang refuses it."""
+        if self.kind != "sglang":
+            return model if model is not None and model in self.loras else None
+        name = model.split(":", 1)[1].strip() if model and ":" in model else ""
+        if not name and isinstance(lora_path, str):
+            name = lora_path
+        if not name:
+            return None
+        if name not in self.loras:
+            return self.error(
+                400,
+                f"The following requested LoRA adapters are not loaded: {name}\n"
+                f"Loaded adapters: {self.loras.keys()}.",
+            )
+        return name
 
     def injected_error(self, request: Request) -> Response | None:
         raw = request.headers.get(_ERROR_KEY)

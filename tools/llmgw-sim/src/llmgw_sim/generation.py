@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -109,14 +110,21 @@ class GenerationRoutes(Handlers):
         kv_seen: list[Any] = []
         rooms_seen: list[tuple[str, int, int] | str | None] = []
 
+        lora_seen: list[object] = []
+
         def parse_kv(body: dict[str, Any]) -> Generation:
             kv_seen.append(body.get("kv_transfer_params"))
             rooms_seen.append(bootstrap.room_fields(body))
+            lora_seen.append(body.get("lora_path"))
             return parse(body)
 
         gen = self._admit(request, parse_kv)
         if isinstance(gen, Response):
             return gen
+        adapter = eng.adapter_for(gen.model, lora_seen[0] if lora_seen else None)
+        if isinstance(adapter, Response):
+            return adapter
+        gen = dataclasses.replace(gen, adapter=adapter)
         kv = kv_seen[0] if kv_seen else None
         cap = eng.token_cap
         prompt: list[Any] = (
@@ -164,7 +172,13 @@ class GenerationRoutes(Handlers):
             # Greedy: the text is a function of the prompt (and seeds), token by token, so
             # a prompt that ends with the first k tokens of an answer continues it exactly.
             context = gen.prompt_text or " ".join(map(str, gen.prompt_ids or ()))
-            out_tokens = greedy_tokens(context, count, knobs.seed ^ (gen.seed or 0))
+            # An adapter answers differently from the base model and from other adapters.
+            seed = (
+                knobs.seed
+                ^ (gen.seed or 0)
+                ^ (zlib.crc32(gen.adapter.encode()) if gen.adapter else 0)
+            )
+            out_tokens = greedy_tokens(context, count, seed)
 
         if eng.driver is not None:
             stepped = await self._generate_stepped(
@@ -173,7 +187,7 @@ class GenerationRoutes(Handlers):
             if wants_remote_decode(kv) and isinstance(stepped, Response) and stepped.status == 200:
                 stepped = self._issue_transfer(stepped, prompt_len)
             return stepped
-        lora = gen.model if gen.model in eng.loras else None
+        lora = gen.adapter
         if lora is not None:
             _bump(eng.lora_waiting, lora, 1)
         try:
@@ -335,7 +349,7 @@ class GenerationRoutes(Handlers):
                 count,
                 hashes,
                 token_ids=ids,
-                lora=gen.model if gen.model in eng.loras else None,
+                lora=gen.adapter,
                 remote_kv=transfer is not None,
             ),
             stream=gen.stream,

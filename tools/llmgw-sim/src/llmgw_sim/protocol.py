@@ -29,6 +29,9 @@ class Generation:
     ignore_eos: bool = False
     # The request's `seed` (sampling is greedy here; the seed still picks the text).
     seed: int | None = None
+    # The LoRA adapter that serves it (None: the base model), as the engine reads it
+    # (Engine.adapter_for).
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)

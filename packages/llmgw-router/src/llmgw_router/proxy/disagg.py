@@ -45,6 +45,7 @@ from typing import Any
 import structlog
 
 from llmgw_router.endpoints import Endpoint
+from llmgw_router.lora import sglang_adapter
 from llmgw_router.proxy.context import RequestContext, UpstreamFailure
 from llmgw_router.state import RouterState, now
 from llmgw_router.upstream import Pool
@@ -215,6 +216,8 @@ class Phases:
                 if decode.spec.engine == "sglang":
                     room = random.randint(0, 2**63 - 1)
                     shaped = sglang_body(body, _host(ep.spec.url), ep.spec.kv_port, room)
+                    adapters = self._state.endpoints.adapters
+                    shaped = sglang_adapter(shaped, ctx.model if ctx.model in adapters else "")
                     encoded = json.dumps(shaped).encode()
                     task = asyncio.create_task(self._sglang_prefill(ctx, ep, encoded))
                     self._tasks.add(task)

@@ -21,6 +21,7 @@ from llmgw_router import tracing
 from llmgw_router.endpoints import Endpoint
 from llmgw_router.engine_errors import openai_error, other_headers
 from llmgw_router.errors import error_body, sse_error_event
+from llmgw_router.lora import sglang_adapter_body
 from llmgw_router.proxy import traced
 from llmgw_router.proxy.choose import Chooser
 from llmgw_router.proxy.context import Reply, RequestContext, UpstreamFailure, respond
@@ -254,6 +255,14 @@ class Exchange:
         ):
             await self._attempt(ctx, send, ep, splice)
 
+    def _body_for(self, ctx: RequestContext, ep: Endpoint) -> bytes:
+        """The body as ``ep``'s engine gets it: SGLang names an adapter in ``lora_path``
+        (llmgw_router.lora), set to the request's adapter and otherwise removed."""
+        if ep.spec.engine != "sglang":
+            return ctx.body
+        adapter = ctx.model if ctx.model in self.state.endpoints.adapters else ""
+        return sglang_adapter_body(ctx.body, adapter)
+
     async def _attempt(
         self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice | None = None
     ) -> None:
@@ -274,7 +283,7 @@ class Exchange:
                 response = await pool.post(
                     ep.url,
                     ctx.path,
-                    ctx.body,
+                    self._body_for(ctx, ep),
                     traced.upstream_headers(ctx.headers) if self._traced else ctx.headers,
                     connect_timeout=deadlines.connect,
                     deadline=first_byte_by,
