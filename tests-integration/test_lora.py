@@ -72,7 +72,8 @@ def test_adapters_listed_loaded_on_demand_routed_to_holders_and_evicted(
     def answer(model: str, **extra: Any) -> str:
         out = client.completions.create(model=model, prompt="hello", max_tokens=3, **extra)
         assert out.model == model
-        return out.choices[0].text
+        text: str = out.choices[0].text
+        return text
 
     # The base model's answer; an adapter answers differently (each engine is greedy).
     base = answer("base")
