@@ -109,7 +109,6 @@ class GenerationRoutes(Handlers):
         arrival = time.monotonic()
         kv_seen: list[Any] = []
         rooms_seen: list[tuple[str, int, int] | str | None] = []
-
         lora_seen: list[object] = []
 
         def parse_kv(body: dict[str, Any]) -> Generation:

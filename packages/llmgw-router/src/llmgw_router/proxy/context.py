@@ -102,6 +102,9 @@ class RequestContext:
     # response passes through on its way to the client (routes.py: response ids).
     method: str = "POST"
     wrap: Callable[[Response, Endpoint], Response] | None = None
+    # The body as SGLang engines get it (llmgw_router.lora), once per body: the body it
+    # was made from, and it (retries and a disaggregated decode reuse it).
+    sglang_body: tuple[bytes, bytes] | None = None
 
 
 class Outcome:

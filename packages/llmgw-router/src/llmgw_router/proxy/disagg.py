@@ -242,6 +242,8 @@ class Phases:
             self.seconds = self.decode_sent - started
             self.prefill_id = ep.id
             ctx.body = encoded
+            if params is None:  # SGLang's: lora_path already set for both engines
+                ctx.sglang_body = (encoded, encoded)
             if params is not None:  # SGLang's prefill runs beside the decode: timed there
                 metrics.child(metrics.disagg_phase, ctx.model, "prefill").observe(self.seconds)
             log.info(

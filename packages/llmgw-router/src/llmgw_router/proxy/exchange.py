@@ -260,8 +260,11 @@ class Exchange:
         (llmgw_router.lora), set to the request's adapter and otherwise removed."""
         if ep.spec.engine != "sglang":
             return ctx.body
-        adapter = ctx.model if ctx.model in self.state.endpoints.adapters else ""
-        return sglang_adapter_body(ctx.body, adapter)
+        made = ctx.sglang_body
+        if made is None or made[0] is not ctx.body:
+            adapter = ctx.model if ctx.model in self.state.endpoints.adapters else ""
+            made = ctx.sglang_body = (ctx.body, sglang_adapter_body(ctx.body, adapter))
+        return made[1]
 
     async def _attempt(
         self, ctx: RequestContext, send: Reply, ep: Endpoint, splice: Splice | None = None
