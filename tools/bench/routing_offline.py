@@ -15,6 +15,7 @@ requests; `--tenants` prints each tenant's engines in order, `--trace tN` each p
 one tenant (router, engine, reason, the fleet's holder and this router's home).
 
     python tools/bench/routing_offline.py [--routers 4] [--seed 1] [--no-fit-holders]
+        [--kv-blocks 1536 (roomy; default tight)] [--workload tenants|zipf|"tenants x4"]
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=13.5, help="requests/s offered")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--warmup", type=float, default=0.2, help="share of arrivals not counted")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=0, help="per engine (0: the tight cache; 1536 roomy)"
+    )
+    parser.add_argument("--workload", default="tenants x4", help="tenants, tenants x4, zipf")
     parser.add_argument("--no-fit-holders", action="store_true", help="the rule before")
     parser.add_argument("--no-share", action="store_true", help="the routers do not share")
     parser.add_argument("--tenants", action="store_true", help="each tenant's engines")
@@ -85,11 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = Shape()
     system_blocks = -(-shape.system // BLOCK_TOKENS)
-    kv_blocks = tight_kv_blocks(shape, BLOCK_TOKENS)
+    kv_blocks = args.kv_blocks or tight_kv_blocks(shape, BLOCK_TOKENS)
     bytes_per_token = words_bytes_per_token(shape)
     cache_blocks = int(kv_blocks * BLOCK_TOKENS / (BLOCK_BYTES / bytes_per_token))
     times = arrival_times(args.rate, args.seconds, args.seed)
-    bodies = request_bodies("tenants x4", len(times), args.seed, shape)
+    bodies = request_bodies(args.workload, len(times), args.seed, shape)
     shared = args.routers > 1
     routers = [
         CacheAware[Cand](shared_homes=shared, fit_holders=not args.no_fit_holders)
@@ -146,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"routers {args.routers} ({rule}{', not sharing' if args.no_share else ''}), seed "
         f"{args.seed}: hit {100 * hits / max(1, counted):.1f} %, per engine {per} hit "
         f"{[round(100 * h / max(1, n)) for h, n in zip(per_hit, per, strict=True)]} %, "
+        f"max/mean {max(per) * len(per) / max(1, sum(per)):.2f}, "
         f"tenants on 2+ engines in their last 8: {split}, picks {dict(reasons)}"
     )
     if args.tenants:

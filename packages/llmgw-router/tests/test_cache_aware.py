@@ -305,6 +305,49 @@ def test_different_prefixes_spread_over_the_endpoints() -> None:
     assert all(60 < n < 140 for n in owners.values())
 
 
+def test_one_router_gives_each_endpoint_its_share_of_the_tenants() -> None:
+    """Where every prefix fits, 32 tenants over 4 endpoints are 8 on each (rendezvous alone
+    gave 11, 9, 6 and 6: the engine with 11 queued), and each stays where it was placed;
+    an endpoint that joins takes tenants that rank it above their home, up to its share,
+    ranking() naming the new home first (what warming reads); a tenant moves only up its
+    rendezvous order, and the counts end within the shares."""
+    cands = [Cand(f"e{i}") for i in range(4)]
+    balancer = CacheAware[Cand]()
+
+    def prompt(t: int, turn: int) -> tuple[int, ...]:
+        return prefix_blocks(f"tenant {t} system ".encode() * 100 + b"%d" % turn, 128, 512)
+
+    served: dict[int, str] = {}
+    reasons: Counter[str] = Counter()
+    for turn in range(3):
+        for t in range(32):
+            pick = balancer.choose(cands, usable, None, prompt(t, turn), at=0.0)
+            assert pick.endpoint is not None
+            assert served.setdefault(t, pick.endpoint.id) == pick.endpoint.id
+            reasons[pick.reason] += 1
+    assert sorted(Counter(served.values()).values()) == [8, 8, 8, 8]
+    assert reasons["balance"] > 0  # rendezvous alone would not have given 8 each
+    assert reasons["rendezvous"] + reasons["balance"] == 32
+
+    cands.append(Cand("e4"))
+    predicted = {t: balancer.ranking(cands, prompt(t, 9))[0].id for t in range(32)}
+    moved: dict[int, str] = {}
+    for turn in range(3, 6):
+        for t in range(32):
+            picked = balancer.pick(cands, usable, None, prompt(t, turn), at=0.0)
+            assert picked is not None
+            if picked.id != served[t]:
+                moved[t] = picked.id
+    homes = {**served, **moved}
+    counts = Counter(homes.values())
+    assert counts["e4"] >= 32 // 5
+    assert max(counts.values()) <= math.ceil(32 / 5)
+    for t, at in moved.items():
+        assert predicted[t] == at or at != "e4"
+        order = [c.id for c in CacheAware[Cand]().ranking(cands, prompt(t, 0))]
+        assert order.index(at) < order.index(served[t])
+
+
 def test_generation_change_clears_that_endpoints_prefix_state() -> None:
     cands = [Cand(f"e{i}") for i in range(3)]
     balancer = CacheAware[Cand](affinity_blocks=1)

@@ -1,16 +1,18 @@
-"""cache_aware's shared placement rule (balancing.placement): several routers that saw
-the same prefixes give each the same home, within the engines' caches. Hypothesis
+"""cache_aware's placement rules (balancing.placement): several routers that saw the same
+prefixes give each the same home, within the engines' caches (place); one router alone
+gives no endpoint more than its share of the prefixes (balanced_home). Hypothesis
 properties and examples."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmgw_router.balancing import CacheAware
-from llmgw_router.balancing.placement import place
+from llmgw_router.balancing.placement import balanced_home, place
 from llmgw_testkit.candidates import Cand, usable
 
 
@@ -216,3 +218,88 @@ def test_eight_held_prefixes_each_stay_where_the_reserve_leaves_room_for_seven()
     assert place(ranks, sizes, caps, held, whole=whole) == held
     moved = place(ranks, sizes, caps, held)
     assert {k for k in held if moved[k] != held[k]} == {7, 22}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=6),
+    st.integers(1, 80),
+    st.randoms(use_true_random=False),
+)
+def test_no_endpoint_is_home_to_more_than_its_share_of_the_prefixes(
+    weights: list[int], k: int, rng: random.Random
+) -> None:
+    """Placed one after another, each in its own rendezvous order, ``k`` prefixes leave
+    every endpoint at most ``ceil(k * weight / total_weight)`` (less by the rounding
+    only), and each went to the first of its order that was under its share then."""
+    n, total = len(weights), sum(weights)
+    homed = [0] * n
+    for placed in range(1, k + 1):
+        order = list(range(n))
+        rng.shuffle(order)
+        home, under = balanced_home(order, homed, weights, None)
+        assert under[home]
+        assert not any(under[i] for i in order[: order.index(home)])
+        assert under == [
+            h < math.ceil(placed * w / total) for h, w in zip(homed, weights, strict=True)
+        ]
+        homed[home] += 1
+    assert sum(homed) == k
+    assert all(h <= math.ceil(k * w / total) for h, w in zip(homed, weights, strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 12), min_size=2, max_size=6),
+    st.randoms(use_true_random=False),
+)
+def test_a_prefix_moves_only_to_an_endpoint_it_ranks_higher_and_moves_end(
+    homed: list[int], rng: random.Random
+) -> None:
+    """A prefix with a home moves only to an endpoint it ranks higher, under its share,
+    that then has fewer than its home had; applied to every prefix again and again, the
+    moves stop (each evens the counts) and leave no prefix that could still move."""
+    n = len(homed)
+    weights = [1] * n
+    prefixes: list[tuple[list[int], int]] = []
+    for at, count in enumerate(homed):
+        for _ in range(count):
+            order = list(range(n))
+            rng.shuffle(order)
+            prefixes.append((order, at))
+    if not prefixes:
+        return
+    counts = list(homed)
+    for _ in range(len(prefixes) * n + 1):
+        moved = False
+        for j, (order, at) in enumerate(prefixes):
+            without = list(counts)
+            without[at] -= 1
+            home, under = balanced_home(order, without, weights, at)
+            assert order.index(home) <= order.index(at)
+            if home != at:
+                assert under[home]
+                assert counts[home] + 1 < counts[at]
+                counts[at] -= 1
+                counts[home] += 1
+                prefixes[j] = (order, home)
+                moved = True
+        if not moved:
+            break
+    else:
+        raise AssertionError("the moves did not end")
+
+
+def test_thirty_two_prefixes_over_four_endpoints_are_eight_each() -> None:
+    """Rendezvous alone gives 32 prefixes over 4 endpoints as 11/9/6/6 as often as 8 each;
+    an endpoint's weight doubles its share."""
+    homed = [0] * 4
+    for key in range(32):
+        order = [i for i, _ in ranks_for([key], 4)[key]]
+        homed[balanced_home(order, homed, [1] * 4, None)[0]] += 1
+    assert homed == [8, 8, 8, 8]
+    homed = [0] * 3
+    for key in range(32):
+        order = [i for i, _ in ranks_for([key], 3)[key]]
+        homed[balanced_home(order, homed, [2, 1, 1], None)[0]] += 1
+    assert homed == [16, 8, 8]

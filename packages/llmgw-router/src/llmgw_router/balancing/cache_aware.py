@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from llmgw_router.balancing.base import Balancer, L, Pick
 from llmgw_router.balancing.index import MASK, FirstSeen, PrefixIndex, endpoint_ident
-from llmgw_router.balancing.model import cache_room, ttft_costs
-from llmgw_router.balancing.placement import place
+from llmgw_router.balancing.model import cache_room, engine_matches, load_order, ttft_costs
+from llmgw_router.balancing.placement import balanced_home, place
 
 __all__ = ["CacheAware"]
 
@@ -24,13 +24,14 @@ class CacheAware(Balancer[L]):
       prefix goes. What this router itself sent refines that: endpoints that were sent
       more of this prefix than the rendezvous block covers (its holders) rank first, the
       longer match first, equals in rendezvous order (so a prefix stays where it is).
-      A prefix sent nowhere yet goes to its first rendezvous choice whatever the loads
-      (within the bound), so every router places it alike (routers share the engines'
-      figures but each adds only its own sends since: a load-dependent first placement
-      had four routers cache a tenant on two engines); where over 3 in 4 recent picks
-      carried distinct prefixes (nothing recurs), to the least loaded endpoint of all. A
-      prefix held only away from its first choice (it spilled there) goes back once that
-      one is no more loaded than the holder, so routers that placed it apart converge.
+      A prefix sent nowhere yet goes to its home whatever the loads (within the bound):
+      with ``shared_homes`` the shared rule's (below), so every router places it alike (a
+      load-dependent first placement had four routers cache a tenant on two engines);
+      without, its first rendezvous choice under its share of this router's recent
+      prefixes (placement.balanced_home: rendezvous alone gave an engine 11 of 32). Where
+      over 3 in 4 recent picks carried distinct prefixes (nothing recurs), the least
+      loaded endpoint of all. A prefix held only away from its home (it spilled there)
+      goes back once home is no more loaded than the holder.
     - Demand: the share ``s`` of this router's last ``window`` picks that carried the
       prefix's rendezvous block. A prefix wants one endpoint per half an endpoint's fair
       share, ``need = ceil(2 * s * n / (1 + epsilon))`` of the ``n`` endpoints; where
@@ -59,25 +60,21 @@ class CacheAware(Balancer[L]):
     - Capacity: where an engine's cache size is known (``cache_blocks``, in prefix
       blocks), what this router remembers sending there is an LRU of that size (what it
       drops, the engine has most likely evicted: a prefix that no longer fits is no
-      longer counted as held), and a new prefix's home is the first of its rendezvous
-      choices whose live prefixes (blocks sent within the last ``window`` picks) still
-      leave room for it; where none has room, its first rendezvous choice.
+      longer counted as held), and a new prefix's home is the first with room for it
+      beside its live prefixes (blocks sent within the last ``window`` picks).
     - Shared homes (``shared_homes``, for several routers in front of one fleet): where
       the cache sizes are known, a prefix's home is given by a shared rule
-      (placement.place) instead of its first rendezvous choice: a stable matching of the
-      prefixes of this router's last ``window`` picks (each by its rendezvous block and
-      its size, what its last two prompts share) to the endpoints, within each cache
-      less an eighth (left for the requests in flight). Its inputs are what every router
-      of a fleet has alike (the endpoints, their cache sizes, the prompts), not this
-      router's sends or loads, so routers that saw the same prefixes give each the same
-      home. (Placing by this router's own record of what it sent, first come first
-      placed, had routers that saw the tenants in other orders disagree.) A prefix held
-      elsewhere is not moved to a home that changed (a move is a miss): it goes there
-      once this router's record of its holder has dropped it. Behind a control plane
-      the routers share their recent prefixes (share_keys, the control plane's
-      SharePrefixes): a prefix the fleet's routers sent somewhere keeps its home where
-      most of its requests went while what is held there fits (placement.place), and
-      the rest are placed over the union of every router's: routers agree.
+      (placement.place): a stable matching of the prefixes of this router's last
+      ``window`` picks (each by its rendezvous block and its size, what its last two
+      prompts share) to the endpoints, within each cache less an eighth (left for the
+      requests in flight). Its inputs are what every router of a fleet has alike, not
+      this router's sends or loads (first come first placed had routers that saw the
+      tenants in other orders disagree). A prefix held elsewhere is not moved to a home
+      that changed (a move is a miss) until this router's record of its holder dropped
+      it. Behind a control plane the routers share their recent prefixes (share_keys,
+      SharePrefixes): a prefix the fleet sent somewhere keeps its home where most of its
+      requests went while what is held there fits, and the rest are placed over the
+      union of every router's: routers agree.
     - Predicted time to first token: per candidate, ``block_time * (pending + miss) +
       block_time * evicted``: the prefill queued there, the prompt's blocks it does not
       hold, and the live blocks of other prefixes this one would push out of a full cache
@@ -85,8 +82,7 @@ class CacheAware(Balancer[L]):
       prefix's request from its holder only where its prediction is lower by more than
       the extra prefill the move puts in its queue, and only among those with room where
       the holder has room: a holder keeps its prefix until its queue costs more than
-      twice the prefill elsewhere. A new prefix is never placed by the predictions (its
-      home is a rule every router applies alike).
+      twice the prefill elsewhere. A new prefix is never placed by the predictions.
     - Without a prefix (embeddings), the least loaded takes it.
 
     Every pick returns its reason (:data:`REASONS`) and the prompt's blocks the chosen
@@ -144,6 +140,10 @@ class CacheAware(Balancer[L]):
         # each of its recent prefixes (shared_homes only).
         self._fleet: dict[int, tuple[int, int, str]] = {}
         self._sent_to: dict[int, str] = {}
+        # Without shared_homes: each recent prefix's home (an endpoint id, see
+        # _balanced) while it stays in the window, and how many are homed on each.
+        self._placed: dict[int, str] = {}
+        self._homed: dict[str, int] = {}
 
     # -------------------------------------------------------------- prefix state
 
@@ -207,6 +207,7 @@ class CacheAware(Balancer[L]):
                 counts[old] = left
             else:
                 del counts[old]
+                self._set_home(old, None)
                 self._keys_version += 1
         # Until the window fills, as if the rest of it were other prefixes (32 at least:
         # twice the floor of a whole share, as `need` counts half shares), so the first
@@ -216,10 +217,15 @@ class CacheAware(Balancer[L]):
     # -------------------------------------------------------------- the pick
 
     def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
-        """``ready`` in rendezvous order for ``prefix`` (no history, no load): the same on
-        every router."""
-        depth = min(len(prefix), self.affinity_blocks)
-        return [ready[i] for i in self._rendezvous(ready, prefix[depth - 1])]
+        """``ready`` in rendezvous order for ``prefix`` (no load), the same on every
+        router; without shared_homes, its home first (see _balanced)."""
+        key = prefix[min(len(prefix), self.affinity_blocks) - 1]
+        order = self._rendezvous(ready, key)
+        if not self.shared_homes and not self._mostly_distinct():
+            home = self._balanced(ready, [max(1, c.weight) for c in ready], key, order)[0]
+            order.remove(home)
+            order.insert(0, home)
+        return [ready[i] for i in order]
 
     def _rendezvous(self, ready: Sequence[L], key: int) -> list[int]:
         return [i for i, _ in self._scored(ready, key)]
@@ -392,23 +398,6 @@ class CacheAware(Balancer[L]):
         self._record(chosen, prefix)
         return Pick(chosen, reason, miss)
 
-    @staticmethod
-    def _engine_matches(
-        ready: Sequence[L], cached: Callable[[L], int]
-    ) -> tuple[list[int] | None, list[int]]:
-        """Per candidate, its engine's cached blocks of the prompt beyond what every
-        reporting engine holds (a shared head, the chat template's, makes no holder);
-        None when no engine reports its cache or none holds more than the rest. And the
-        blocks each reports cached (0 where it reports none)."""
-        reported = [cached(c) for c in ready]
-        held = [max(0, m) for m in reported]
-        views = [m for m in reported if m >= 0]
-        if not views:
-            return None, held
-        floor = min(views) if len(views) == len(reported) else 0
-        out = [max(0, m - floor) for m in reported]
-        return (out if any(out) else None), held
-
     def _pick_prefix(
         self,
         ready: Sequence[L],
@@ -427,11 +416,12 @@ class CacheAware(Balancer[L]):
         self._turn += 1
         order = self._rendezvous(ready, block)
         first_choice = order[0]
-        home_at = (
-            self._home(ready, block, prefix)
-            if self.shared_homes and not self._mostly_distinct()
-            else None
-        )
+        distinct = self._mostly_distinct()
+        home_at = self._home(ready, block, prefix) if self.shared_homes and not distinct else None
+        under: list[bool] = []
+        placed: int | None = None
+        if not self.shared_homes and not distinct:
+            home_at, under, placed = self._balanced(ready, weights, block, order)
         if home_at is not None and home_at != first_choice:
             order.remove(home_at)
             order.insert(0, home_at)
@@ -439,7 +429,7 @@ class CacheAware(Balancer[L]):
         # prompt than the others, that is what holds it; else what this router sent.
         engine: list[int] | None = None
         if cached is not None:
-            engine, held = self._engine_matches(ready, cached)
+            engine, held = engine_matches(ready, cached)
         if engine is not None:
             self.engine_cache_picks += 1
             match = engine
@@ -462,7 +452,7 @@ class CacheAware(Balancer[L]):
             # A hot prefix: its first `need` rendezvous choices and its holders, least
             # loaded first, equals in turn (a counter: two routers with one history agree).
             group = set(order[:need]).union(holders)
-            queue = self._queue(ready, weights, per_load)
+            queue = load_order(ready, weights, per_load)
             spread = sorted((i for i in order if i in group), key=queue.__getitem__)
             tied = [i for i in spread if queue[i] == queue[spread[0]]]
             turn = self._turn % len(tied)
@@ -472,22 +462,27 @@ class CacheAware(Balancer[L]):
         else:
             rest = [i for i in order if not match[i]]
             if not holders:
-                # A prefix this router has not sent anywhere yet: its first rendezvous
-                # choice with room for it, whatever the loads (the bound and the
-                # predicted times below aside), so every router of a fleet places it
-                # alike. Where prompts share nothing (nothing recurs, nothing to agree
-                # on): the least loaded first, ties in rendezvous order.
-                if self._mostly_distinct():
-                    rest.sort(key=self._queue(ready, weights, per_load).__getitem__)
+                # A prefix this router has not sent anywhere yet: its home, whatever the
+                # loads (the bound and the predicted times below aside). Where prompts
+                # share nothing (nothing recurs): the least loaded first.
+                if distinct:
+                    rest.sort(key=load_order(ready, weights, per_load).__getitem__)
                     ranking, reason = rest, "distinct"
                 else:
-                    if home_at is None:
+                    if under:
+                        # Its home first, then in rendezvous order: first those with room
+                        # for it and under their share of the recent prefixes, then those
+                        # with room, then those under their share.
                         room = cache_room(ready, self.footprint)
-                        fits = [i for i in rest if (free := room[i]) is None or free >= miss[i]]
-                        if fits and fits[0] != rest[0]:
-                            rest = fits + [i for i in rest if i not in fits]
+                        fits = {i for i in rest if (free := room[i]) is None or free >= miss[i]}
+                        rest.sort(key=lambda i: (i not in fits, not under[i] and i != home_at))
+                        self._set_home(block, ready[rest[0]].id)
                     ranking = rest
                     reason = "rendezvous" if ranking[0] == first_choice else "capacity"
+                    # Not shared_homes: "balance" where its first choice has room.
+                    free = room[first_choice] if reason == "capacity" and room else -1
+                    if free is None or free >= miss[first_choice]:
+                        reason = "balance"
                     new = True
             elif (
                 engine is None
@@ -499,29 +494,30 @@ class CacheAware(Balancer[L]):
                     or free >= miss[home]
                 )
             ):
-                # Held elsewhere but not at its first rendezvous choice (it went to the
-                # second when home was over the bound, or another router sent it
-                # there): home again once home is no more loaded than the holder. Every
-                # router of a fleet then converges on one home for the prefix, and the
-                # copies elsewhere age out of those caches. (Where the engines report
-                # their caches, every router sees the same holder: it stays there. And
-                # not where home has no room in this router's record, unless the fleet's
-                # rule, which counts every router's prefixes, gave that home.)
+                # Held elsewhere but not at its home (it spilled when home was over the
+                # bound, another router sent it there, an endpoint under its share
+                # joined): home again once home is no more loaded than the holder, so
+                # routers converge and the copies elsewhere age out. Not where the
+                # engines report their caches (every router sees one holder), nor where
+                # home has no room in this router's record, unless the fleet's rule
+                # (every router's prefixes) gave that home.
                 ranking = [home, *holders, *(i for i in rest if i != home)]
                 reason = "home_again"
+                if under:
+                    self._set_home(block, ready[home].id)
             else:
                 ranking = holders + rest
                 reason = "engine_cache" if engine is not None else "holder"
+                if under and placed is None:  # held, with no home: the holder is home
+                    self._set_home(block, ready[holders[0]].id)
         total = sum(loads)
         weight_total = sum(weights)
         first = ranking[0]
         if self.within(loads[first], total, weights[first], weight_total, n):
             if new or reason in ("hot_spread", "distinct", "home_again"):
-                # Rules every router applies alike (a new prefix's home, the spread of a
-                # hot prefix, the way back to a prefix's first choice) or where nothing
-                # recurs. (Placing a new prefix by this router's own queues placed it
-                # apart from the other routers': 62-73 % hits through 4 routers in a
-                # tight cache, against 77-88 % without.)
+                # Rules, not queues (a new prefix's home, a hot prefix's spread, the way
+                # home) or nothing recurs. (Placing a new prefix by this router's queues
+                # had 4 routers at 62-73 % hits in a tight cache, against 77-88 %.)
                 return first, reason, miss[first]
             # Predicted time to first token: another endpoint within the bound takes a
             # held prefix where it would answer sooner by more than the move costs
@@ -560,18 +556,32 @@ class CacheAware(Balancer[L]):
         at = min(ranking, key=per_load.__getitem__)
         return at, "bound_least_loaded", miss[at]
 
-    @staticmethod
-    def _queue(
-        ready: Sequence[L], weights: Sequence[int], per_load: Sequence[float]
-    ) -> list[tuple[float, float]]:
-        """Per candidate, where load alone decides (a hot prefix's spread, prompts that
-        share nothing): first the requests still waiting for their first byte (queued or
-        in prefill: what a new request's first token waits behind; a decoding request
-        costs it little), then the load. Built only on those paths, not on every pick."""
-        return [
-            (c.awaiting_first / w, load)
-            for c, w, load in zip(ready, weights, per_load, strict=True)
-        ]
+    def _balanced(
+        self, ready: Sequence[L], weights: Sequence[int], key: int, order: Sequence[int]
+    ) -> tuple[int, list[bool], int | None]:
+        """Without shared_homes: the prefix's home (placement.balanced_home over the
+        homes this router gave its recent prefixes: the one it has, or one it ranks
+        higher under its share), which candidates are under their share, and the home
+        it has (None: none among ``ready``)."""
+        placed = self._placed.get(key)
+        current = next((i for i, c in enumerate(ready) if c.id == placed), None)
+        homed = [self._homed.get(c.id, 0) for c in ready]
+        if current is not None:
+            homed[current] -= 1
+        return (*balanced_home(order, homed, weights, current), current)
+
+    def _set_home(self, key: int, endpoint_id: str | None) -> None:
+        """Record (or, with None, drop) the home this router gave a prefix."""
+        homed = self._homed
+        old = self._placed.pop(key, None)
+        if old is not None:
+            if (left := homed[old] - 1) > 0:
+                homed[old] = left
+            else:
+                del homed[old]
+        if endpoint_id is not None:
+            self._placed[key] = endpoint_id
+            homed[endpoint_id] = homed.get(endpoint_id, 0) + 1
 
     def _mostly_distinct(self) -> bool:
         """Whether over 3 in 4 of the recent picks carried distinct prefixes (once the

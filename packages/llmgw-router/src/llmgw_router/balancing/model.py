@@ -1,5 +1,6 @@
 """cache_aware's capacity and time-to-first-token model (pure): the room each engine's
-cache has left, and the predicted time to a request's first token there."""
+cache has left, the predicted time to a request's first token there, what the engines
+report cached, and the order where load alone decides."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from llmgw_router.balancing.base import L
 
-__all__ = ["cache_room", "ttft_costs"]
+__all__ = ["cache_room", "engine_matches", "load_order", "ttft_costs"]
 
 
 def ttft_costs(
@@ -40,3 +41,32 @@ def cache_room(ready: Sequence[L], footprint: Callable[[L], int]) -> list[int | 
         capacity = c.cache_blocks
         out.append(capacity - footprint(c) if capacity > 0 else None)
     return out
+
+
+def engine_matches(
+    ready: Sequence[L], cached: Callable[[L], int]
+) -> tuple[list[int] | None, list[int]]:
+    """Per candidate, its engine's cached blocks of the prompt beyond what every
+    reporting engine holds (a shared head, the chat template's, makes no holder); None
+    when no engine reports its cache or none holds more than the rest. And the blocks
+    each reports cached (0 where it reports none)."""
+    reported = [cached(c) for c in ready]
+    held = [max(0, m) for m in reported]
+    views = [m for m in reported if m >= 0]
+    if not views:
+        return None, held
+    floor = min(views) if len(views) == len(reported) else 0
+    out = [max(0, m - floor) for m in reported]
+    return (out if any(out) else None), held
+
+
+def load_order(
+    ready: Sequence[L], weights: Sequence[int], per_load: Sequence[float]
+) -> list[tuple[float, float]]:
+    """Per candidate, where load alone decides (a hot prefix's spread, prompts that share
+    nothing): first the requests still waiting for their first byte (queued or in
+    prefill: what a new request's first token waits behind; a decoding request costs it
+    little), then the load."""
+    return [
+        (c.awaiting_first / w, load) for c, w, load in zip(ready, weights, per_load, strict=True)
+    ]
