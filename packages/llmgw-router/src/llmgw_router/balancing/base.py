@@ -36,7 +36,7 @@ REASONS = (
     "rendezvous",  # a new prefix's home: its first rendezvous choice
     "capacity",  # a new prefix's home: the first rendezvous choice with room in its cache
     "balance",  # a new prefix's home: the first rendezvous choice under its share of prefixes
-    "home_again",  # a spilled prefix back at its first rendezvous choice
+    "home_again",  # a spilled prefix back at its home
     "predicted_ttft",  # another endpoint's predicted time to first token was lower
     "hot_spread",  # a hot prefix spread over its rendezvous choices, least loaded first
     "bound_holder",  # over the bound: the least loaded holder within it

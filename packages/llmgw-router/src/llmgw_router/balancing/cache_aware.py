@@ -217,8 +217,8 @@ class CacheAware(Balancer[L]):
     # -------------------------------------------------------------- the pick
 
     def ranking(self, ready: Sequence[L], prefix: Sequence[int]) -> list[L]:
-        """``ready`` in rendezvous order for ``prefix`` (no load), the same on every
-        router; without shared_homes, its home first (see _balanced)."""
+        """``ready`` in rendezvous order for ``prefix`` (no load); without shared_homes,
+        the home this router gives it first (see _balanced: this router's own record)."""
         key = prefix[min(len(prefix), self.affinity_blocks) - 1]
         order = self._rendezvous(ready, key)
         if not self.shared_homes and not self._mostly_distinct():
