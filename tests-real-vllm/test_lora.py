@@ -1,15 +1,16 @@
 """Issue 30 on a real vLLM (CPU): LoRA adapters loaded at runtime through llmgw.
 
-Two adapters for gemma-3 270M are made offline (tools/make_lora.py: random, non-zero,
-seeded) and declared in the catalog; the engine runs with the catalog's LoRA flags
+Three adapters for gemma-3 270M are made offline (tools/make_lora.py: random, non-zero,
+seeded) and declared in the catalog; two engines run with the catalog's LoRA flags
 (`--enable-lora --max-loras 1 --max-lora-rank 8`, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
 A request naming an adapter no engine holds is held at the router, the control plane has
 the agent load it through vLLM's /v1/load_lora_adapter, and the request is served by it,
-with an answer that differs from the base model's. The engine holds one adapter at once:
-asking for the second unloads the first (least recently used) for it.
+with an answer that differs from the base model's. The router sends an adapter's requests to
+its holder, a second adapter is loaded on the engine with a free slot, and a third, with
+both engines full, unloads the least used of the two for it (the hot one stays).
 
-Its own system (one engine, LoRA on), started once for the module and stopped before the
-suite's shared system starts (this file runs first).
+Its own system (two engines, LoRA on, about 10 GB), started once for the module and stopped
+before the suite's shared system starts (this file runs first).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,9 +63,9 @@ def lora_system(
     workdir = tmp_path_factory.mktemp("real-lora")
     adapters = [
         {"name": name, "source": str(make_adapter(engine, hf_model, workdir / name, seed))}
-        for name, seed in (("gemma3-a", 1), ("gemma3-b", 2))
+        for name, seed in (("gemma3-a", 1), ("gemma3-b", 2), ("gemma3-c", 3))
     ]
-    lora_profile = {**profile, "lora": {"max_loras": 1, "max_rank": 8}}
+    lora_profile = {**profile, "replicas": 2, "lora": {"max_loras": 1, "max_rank": 8}}
     cluster = Cluster(workdir, timings=TIMINGS)
     saved = {key: os.environ.get(key) for key in engine.agent_env}
     os.environ.update(engine.agent_env)
@@ -78,8 +80,8 @@ def lora_system(
             stop_engines_on_exit=True,
             stop_grace="30s",
         )
-        cluster.wait_replicas(SERVED_NAME, 1, timeout=900)
-        cluster.wait_router_models(SERVED_NAME, "gemma3-a", "gemma3-b", timeout=60)
+        cluster.wait_replicas(SERVED_NAME, 2, timeout=900)
+        cluster.wait_router_models(SERVED_NAME, "gemma3-a", "gemma3-b", "gemma3-c", timeout=60)
         yield cluster
     finally:
         cluster.stop()
@@ -99,32 +101,65 @@ def _holders(cluster: Cluster, adapter: str) -> list[str]:
     return found
 
 
-def test_adapters_load_at_runtime_answer_differently_and_evict(lora_system: Cluster) -> None:
+def _served(cluster: Cluster) -> dict[str, float]:
+    """The router's answered requests (status 200) by the endpoint that served them."""
+    url = f"http://127.0.0.1:{cluster.router_admin_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("llmgw_router_requests_total{") and 'status="200"' in line:
+            labels, value = line.rsplit(" ", 1)
+            endpoint = labels.split('endpoint="', 1)[1].split('"', 1)[0]
+            counts[endpoint] = counts.get(endpoint, 0.0) + float(value)
+    return counts
+
+
+def test_adapters_load_at_runtime_route_to_holders_and_evict(lora_system: Cluster) -> None:
     cluster = lora_system
     client = openai.OpenAI(
         base_url=f"{cluster.router_url}/v1", api_key="x", max_retries=0, timeout=600
     )
 
-    def ask(model: str) -> str:
+    def ask(model: str) -> tuple[str, str]:
+        """The answer, and the endpoint that served it (the router's own count)."""
+        before = _served(cluster)
         out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
-        return out.choices[0].text
+        after = _served(cluster)
+        (endpoint,) = [e for e, n in after.items() if n > before.get(e, 0.0)]
+        return out.choices[0].text, endpoint
 
-    base = ask(SERVED_NAME)
+    base, _ = ask(SERVED_NAME)
     assert _holders(cluster, "gemma3-a") == []
     # Held until the agent has loaded it through vLLM's runtime API, then served by it.
-    with_a = ask("gemma3-a")
-    (holder,) = _holders(cluster, "gemma3-a")
+    with_a, served = ask("gemma3-a")
+    (holder_a,) = _holders(cluster, "gemma3-a")
+    assert served == holder_a
     assert with_a != base
-    assert ask("gemma3-a") == with_a  # greedy: the same adapter answers the same
-    # The engine holds one at once: the second adapter unloads the first.
-    with_b = ask("gemma3-b")
+    # Routed to its holder, every time (the other engine does not hold it).
+    for _ in range(6):
+        assert ask("gemma3-a") == (with_a, holder_a)  # greedy: the same adapter answers the same
+    # A second adapter goes to the engine with a free slot.
+    with_b, served = ask("gemma3-b")
+    (holder_b,) = _holders(cluster, "gemma3-b")
+    assert holder_b != holder_a
+    assert served == holder_b
     assert with_b not in (base, with_a)
+    assert _holders(cluster, "gemma3-a") == [holder_a]
+    assert ask("gemma3-a") == (with_a, holder_a)
+    # Both engines full: the third unloads the least used adapter (gemma3-b: one request
+    # against gemma3-a's eight, and the least recent) and takes its slot; the hot one stays.
+    with_c, served = ask("gemma3-c")
+    assert with_c not in (base, with_a, with_b)
+    assert served == holder_b
     wait_for(
-        lambda: _holders(cluster, "gemma3-b") == [holder] and not _holders(cluster, "gemma3-a"),
+        lambda: _holders(cluster, "gemma3-c") == [holder_b] and not _holders(cluster, "gemma3-b"),
         timeout=120,
-        what="gemma3-a unloaded for gemma3-b",
+        what="gemma3-b unloaded for gemma3-c",
     )
+    assert _holders(cluster, "gemma3-a") == [holder_a]
+    assert ask("gemma3-a") == (with_a, holder_a)
     status = cluster.status()["lora"]
-    assert status["loads"] == 2
+    assert status["loads"] == 3
     assert status["unloads"] == 1
     assert status["load_failures"] == 0
