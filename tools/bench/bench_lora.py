@@ -352,8 +352,8 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_args(parser: argparse.ArgumentParser) -> None:
+    """The fleet's slots and the arrivals (shared with lora_offline.py)."""
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--max-loras", type=int, default=4)
     parser.add_argument("--adapters", type=int, default=40)
@@ -361,14 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds not measured")
     parser.add_argument("--zipf", type=float, default=1.5, help="Zipf exponent of demand")
-    parser.add_argument("--load-time", type=float, default=1.0, help="seconds per adapter load")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--only", choices=("both", "llmgw", "rr"), default="both")
-    parser.add_argument(
-        "--trace", action="store_true", help="llmgw: held requests and loads per 10 s, by rank"
-    )
-    ns = parser.parse_args(argv)
-    a = Args(
+
+
+def args_of(ns: argparse.Namespace, seed: int, load_time: float) -> Args:
+    """The run's Args from what ``workload_args`` parsed."""
+    return Args(
         ns.replicas,
         ns.max_loras,
         ns.adapters,
@@ -376,9 +373,22 @@ def main(argv: list[str] | None = None) -> int:
         ns.duration,
         ns.warmup,
         ns.zipf,
-        ns.load_time,
-        ns.seed,
+        load_time,
+        seed,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_args(parser)
+    parser.add_argument("--load-time", type=float, default=1.0, help="seconds per adapter load")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", choices=("both", "llmgw", "rr"), default="both")
+    parser.add_argument(
+        "--trace", action="store_true", help="llmgw: held requests and loads per 10 s, by rank"
+    )
+    ns = parser.parse_args(argv)
+    a = args_of(ns, ns.seed, ns.load_time)
     rows: dict[str, dict[str, float]] = {}
     print(f"arrivals: {len(arrivals(a))} requests; {a}", file=sys.stderr)
     rr_name = "round robin + load on demand"

@@ -24,7 +24,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from bench_lora import Args, arrivals, popularity
+from bench_lora import Args, args_of, arrivals, popularity, workload_args
 
 Arrivals = Sequence[tuple[float, str]]
 
@@ -70,13 +70,7 @@ def pinned_lru(reqs: Arrivals, slots: int, warmup: float, pinned: frozenset[str]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--max-loras", type=int, default=4)
-    parser.add_argument("--adapters", type=int, default=40)
-    parser.add_argument("--rate", type=float, default=8.0)
-    parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--warmup", type=float, default=60.0)
-    parser.add_argument("--zipf", type=float, default=1.5)
+    workload_args(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     parser.add_argument("--pinned", type=int, nargs="+", default=[12, 15])
     ns = parser.parse_args(argv)
@@ -102,17 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, policy in policies:
         shares = []
         for seed in ns.seeds:
-            a = Args(
-                replicas=ns.replicas,
-                max_loras=ns.max_loras,
-                adapters=ns.adapters,
-                rate=ns.rate,
-                duration=ns.duration,
-                warmup=ns.warmup,
-                zipf=ns.zipf,
-                load_time=0.0,
-                seed=seed,
-            )
+            a = args_of(ns, seed, load_time=0.0)
             shares.append(policy(a, arrivals(a)))
         print(f"| {name} | " + " | ".join(f"{s * 100:.1f} %" for s in shares) + " |")
     return 0
