@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llmgw_control.lora import HELD_TTL, LoraManager
+from llmgw_control.lora import HELD_TTL, RATE_FLOOR, RATE_WINDOW, LoraManager
 from llmgw_control.lora_plan import Action, Demand, ReplicaView, plan, pool_size
 from prometheus_client import CollectorRegistry
 
@@ -49,6 +49,21 @@ def test_after_patience_a_cold_adapter_evicts_the_least_used_idle_one() -> None:
     assert plan(reps, demand, now=100.0, min_idle=5.0, patience=3.0, spare=1) == [
         Action("unload", "b", "hot3"),
         Action("load", "b", "new"),
+    ]
+
+
+def test_each_patience_waited_widens_the_pool_by_the_next_least_used() -> None:
+    reps, demand = _full()
+    # hot3 busy (used within min_idle): one patience waited lets the pool take in hot3
+    # (the tail aside, the least used), not yet hot2 or hot1.
+    demand["hot3"] = Demand(rate=0.5, last_used=99)
+    demand["new"] = Demand(held=2, rate=0.02, last_used=100, held_for=3.5)
+    assert plan(reps, demand, now=100.0, min_idle=5.0, patience=3.0, spare=1) == []
+    # Two: hot2 (the next least used) may go; hot1, the most used, stays.
+    demand["new"] = Demand(held=2, rate=0.02, last_used=100, held_for=6.5)
+    assert plan(reps, demand, now=100.0, min_idle=5.0, patience=3.0, spare=1) == [
+        Action("unload", "a", "hot2"),
+        Action("load", "a", "new"),
     ]
 
 
@@ -124,11 +139,12 @@ def test_pool_properties(
             assert (nxt.kind, nxt.replica) == ("load", act.replica)
             new = wants.get(nxt.adapter, Demand())
             everyone = sorted({a for t in taken.values() for a in t}, key=used)
-            # Only one of the spare pool, one used less, or after the newcomer's patience.
+            # Only one of the spare pool, widened by one for each patience the newcomer's
+            # requests waited, or one used less (without patience, any).
+            widen = int(new.held_for // patience) if patience > 0 else len(everyone)
             assert (
-                act.adapter in everyone[:size]
+                act.adapter in everyone[: size + widen]
                 or wants.get(act.adapter, Demand()).rate < new.rate
-                or new.held_for >= patience
             )
             assert wants.get(act.adapter, Demand()).held == 0
             assert idle <= 0 or now - wants.get(act.adapter, Demand()).last_used >= idle
@@ -185,6 +201,20 @@ def test_pool_grows_with_the_tail_demand() -> None:
     assert pool_size(16, [1.0] * 6 + [0.1] * 20, 4, 0.0) == 4
     # More demand left out than all the slots can take turns for: every slot.
     assert pool_size(16, [1.0] * 8 + [0.1] * 30, 4, 4.0) == 16
+
+
+def test_a_rate_is_over_the_time_since_the_first_report_while_shorter_than_the_window() -> None:
+    mgr = LoraManager(CollectorRegistry())
+    mgr.on_demand("x", held=0, requests=30, now=1000.0)
+    mgr.on_demand("y", held=0, requests=0, now=1000.0)
+    # 30 requests in the first minute: 0.5/s, not 30 over the whole window.
+    assert mgr.demand["x"].view(1060.0, mgr.since).rate == 0.5
+    # Never under RATE_FLOOR: 30 requests in the first second are not 30 a second.
+    assert mgr.demand["x"].view(1001.0, mgr.since).rate == 30 / RATE_FLOOR
+    # Once the window has passed, over the window; counts older than it are dropped.
+    assert mgr.demand["x"].view(1000.0 + RATE_WINDOW, mgr.since).rate == 30 / RATE_WINDOW
+    assert mgr.demand["x"].view(1001.0 + RATE_WINDOW, mgr.since).rate == 0.0
+    assert mgr.demand["y"].view(1060.0, mgr.since).rate == 0.0
 
 
 def test_the_manager_counts_how_long_requests_have_been_held() -> None:

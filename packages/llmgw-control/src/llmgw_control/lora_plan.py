@@ -13,11 +13,14 @@ Output: load and unload actions, in the order to send them.
 - With ``spare`` set, the fleet's least used adapters are the spare pool (``spare`` of
   them, more while the adapters left out ask for more turns than that many slots give,
   each turn ``turn`` seconds: :func:`pool_size`): a newcomer evicts only one of those or
-  one with a lower rate than its own, until its requests have waited ``patience``
-  seconds (then any, as above). The hot adapters stay
+  one with a lower rate than its own; for each ``patience`` seconds its requests have
+  waited, the pool it may evict from takes in the next least used adapter, so it is
+  served in the end without the most used going first. The hot adapters stay
   pinned while rarely used ones take turns in the spare slots: without it, a burst of
   tail requests, whose adapters once loaded are kept for ``min_idle``, unloaded the
-  adapters asked for every few seconds (bench_lora's trace; issue 30).
+  adapters asked for every few seconds (bench_lora's trace; issue 30); and when a burst
+  outlasted ``patience`` and any idle adapter could go, the third and fourth most used
+  went (bench_lora seed 3's trace).
 - A hot adapter (more than ``hot_rate`` requests a second per holder) gains a holder,
   one per pass, on the least loaded replica that does not hold it, evicting there only
   an adapter used less recently than it.
@@ -128,12 +131,14 @@ def plan(
 
     def victim(rep: _Replica, adapter: str, newer_than: float | None) -> str | None:
         """The adapter ``rep`` may unload for ``adapter``: the least used first, and with
-        ``spare`` set only one of the spare pool or used less than ``adapter`` (rate),
-        unless ``adapter``'s requests have waited ``patience``."""
+        ``spare`` set only one of the spare pool (widened by the next least used for each
+        ``patience`` that ``adapter``'s requests have waited) or used less than
+        ``adapter`` (rate)."""
         wanted = demand.get(adapter, Demand())
         pool: set[str] | None = None
-        if spare is not None and wanted.held_for < patience:
-            pool = set(sorted(everyone(), key=lambda a: (used(a), a))[:spare])
+        if spare is not None and patience > 0:
+            widen = int(wanted.held_for // patience)
+            pool = set(sorted(everyone(), key=lambda a: (used(a), a))[: spare + widen])
         movable = [
             a
             for a in rep.taken
