@@ -26,7 +26,7 @@ from typing import Any
 import openai
 import pytest
 from llmgw_testkit import wait_for
-from llmgw_testkit.cluster import Cluster
+from llmgw_testkit.cluster import Cluster, metric_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "gemma3"
@@ -102,17 +102,17 @@ def _holders(cluster: Cluster, adapter: str) -> list[str]:
 
 
 def _served(cluster: Cluster) -> dict[str, float]:
-    """The router's answered requests (status 200) by the endpoint that served them."""
+    """The router's answered requests (status 200) by the endpoint (replica) that served
+    them."""
     url = f"http://127.0.0.1:{cluster.router_admin_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("llmgw_router_requests_total{") and 'status="200"' in line:
-            labels, value = line.rsplit(" ", 1)
-            endpoint = labels.split('endpoint="', 1)[1].split('"', 1)[0]
-            counts[endpoint] = counts.get(endpoint, 0.0) + float(value)
-    return counts
+    return {
+        r["replica_id"]: metric_sum(
+            text, "llmgw_router_requests_total", status="200", endpoint=r["replica_id"]
+        )
+        for r in cluster.replicas(SERVED_NAME)
+    }
 
 
 def test_adapters_load_at_runtime_route_to_holders_and_evict(lora_system: Cluster) -> None:
