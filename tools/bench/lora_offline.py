@@ -93,11 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| policy | " + " | ".join(f"seed {s}" for s in ns.seeds) + " |")
     print("|---|" + "---|" * len(ns.seeds))
+    runs = [(a, arrivals(a)) for a in (args_of(ns, seed, load_time=0.0) for seed in ns.seeds)]
     for name, policy in policies:
-        shares = []
-        for seed in ns.seeds:
-            a = args_of(ns, seed, load_time=0.0)
-            shares.append(policy(a, arrivals(a)))
+        shares = [policy(a, reqs) for a, reqs in runs]
         print(f"| {name} | " + " | ".join(f"{s * 100:.1f} %" for s in shares) + " |")
     return 0
 
