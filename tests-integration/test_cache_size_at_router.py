@@ -52,7 +52,7 @@ def test_the_engines_cache_size_reaches_the_router_and_picks_say_why(cluster: Cl
             "max_tokens": 2,
         }
         assert httpx.post(url, json=body, timeout=60).status_code == 200
-    metrics = httpx.get(f"http://127.0.0.1:{cluster.router_admin_port}/metrics", timeout=5).text
+    metrics = cluster.router_metrics()
     # One endpoint: every pick is the only one, and says so.
     assert metric_sum(metrics, "llmgw_router_picks_total", model="chat", reason="only") == 3
     after = router_endpoint(cluster)

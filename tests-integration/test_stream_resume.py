@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import threading
-import urllib.request
 from collections.abc import Iterator
 
 import openai
@@ -60,17 +59,11 @@ def _ready(cluster: Cluster, count: int) -> None:
     # The router has them all (a replica restarted comes back through the endpoint stream).
     wait_for(
         lambda: (
-            metric_sum(_router_metrics(cluster), "llmgw_router_endpoints", state="ready") >= count
+            metric_sum(cluster.router_metrics(), "llmgw_router_endpoints", state="ready") >= count
         ),
         timeout=60,
         what=f"{count} endpoints ready at the router",
     )
-
-
-def _router_metrics(cluster: Cluster) -> str:
-    url = f"http://127.0.0.1:{cluster.router_admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return str(resp.read().decode())
 
 
 def _engines(cluster: Cluster, node: str) -> list[int]:
@@ -154,20 +147,20 @@ def _whole(cluster: Cluster) -> dict[int, str]:
 def test_engine_killed_under_streaming_load_cuts_no_stream(fleet: Cluster) -> None:
     _ready(fleet, 2)
     want = _whole(fleet)
-    before = metric_sum(_router_metrics(fleet), "llmgw_router_resumes_total")
+    before = metric_sum(fleet.router_metrics(), "llmgw_router_resumes_total")
     (victim,) = _engines(fleet, "gpu-a")
     with Streams(fleet) as streams:
         _kill(victim)
     assert streams.errors == {}
     assert streams.texts == want
-    assert metric_sum(_router_metrics(fleet), "llmgw_router_resumes_total") > before
+    assert metric_sum(fleet.router_metrics(), "llmgw_router_resumes_total") > before
 
 
 def test_node_lost_mid_stream_cuts_no_stream(fleet: Cluster) -> None:
     _ready(fleet, 2)
     want = _whole(fleet)
     engines = _engines(fleet, "gpu-b")
-    before = metric_sum(_router_metrics(fleet), "llmgw_router_resumes_total")
+    before = metric_sum(fleet.router_metrics(), "llmgw_router_resumes_total")
     with Streams(fleet) as streams:
         # The node goes: its agent and its engines, at once.
         fleet.agents["gpu-b"].signal(signal.SIGKILL)
@@ -175,7 +168,7 @@ def test_node_lost_mid_stream_cuts_no_stream(fleet: Cluster) -> None:
             _kill(pid)
     assert streams.errors == {}
     assert streams.texts == want
-    assert metric_sum(_router_metrics(fleet), "llmgw_router_resumes_total") > before
+    assert metric_sum(fleet.router_metrics(), "llmgw_router_resumes_total") > before
 
 
 def test_every_replica_killed_ends_with_the_error_event(fleet: Cluster) -> None:
@@ -188,6 +181,6 @@ def test_every_replica_killed_ends_with_the_error_event(fleet: Cluster) -> None:
     assert sorted(streams.errors) == list(range(STREAMS))
     assert all("upstream" in e or "error" in e.lower() for e in streams.errors.values())
     assert all(streams.texts[i] for i in range(STREAMS))
-    text = _router_metrics(fleet)
+    text = fleet.router_metrics()
     failed = metric_sum(text, "llmgw_router_resume_failures_total")
     assert failed >= STREAMS

@@ -23,8 +23,7 @@ def engine_metric(url: str, name: str) -> float:
 
 
 def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{cluster.router_admin_port}/metrics", timeout=5).text
-    return metric_sum(text, name, **labels)
+    return metric_sum(cluster.router_metrics(), name, **labels)
 
 
 def router_slots(cluster: Cluster) -> dict[str, str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,9 +103,7 @@ def _holders(cluster: Cluster, adapter: str) -> list[str]:
 def _served(cluster: Cluster) -> dict[str, float]:
     """The router's answered requests (status 200) by the endpoint (replica) that served
     them."""
-    url = f"http://127.0.0.1:{cluster.router_admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
+    text = cluster.router_metrics()
     return {
         r["replica_id"]: metric_sum(
             text, "llmgw_router_requests_total", status="200", endpoint=r["replica_id"]

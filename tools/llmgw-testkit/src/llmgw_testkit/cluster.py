@@ -102,6 +102,12 @@ class SystemView:
         with urllib.request.urlopen(url, timeout=5) as resp:
             return str(resp.read().decode())
 
+    def router_metrics(self) -> str:
+        """The router's Prometheus text (its admin listener's /metrics)."""
+        url = f"http://127.0.0.1:{self.router_admin_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return str(resp.read().decode())
+
     def node(self, node_id: str) -> dict[str, Any] | None:
         return next((n for n in self.status()["nodes"] if n["node_id"] == node_id), None)
 

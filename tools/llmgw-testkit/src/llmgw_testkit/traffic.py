@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -47,9 +46,7 @@ def traffic(
 
 
 def router_endpoints(cluster: Cluster) -> float:
-    url = f"http://127.0.0.1:{cluster.router_admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return metric_sum(resp.read().decode(), "llmgw_router_endpoints")
+    return metric_sum(cluster.router_metrics(), "llmgw_router_endpoints")
 
 
 class EndpointWatch:
