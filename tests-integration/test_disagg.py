@@ -58,7 +58,8 @@ def test_pd_pools_on_one_fabric_prefill_then_decode(cluster: Cluster) -> None:
         (shard,) = rep["shards"]
         argv, env = cmdline(shard["pid"]), environ(shard["pid"])
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        kv_role = "kv_producer" if rep["profile"] == "pd-prefill" else "kv_consumer"
+        assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
         side = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         assert side != shard["port"]
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"

@@ -69,7 +69,8 @@ def test_vllm_prefill_and_decode_get_the_nixl_connector_and_side_channel(kit: An
         assert isinstance(decided, Plan), decided
         argv, env = decided.launch.argv, decided.launch.env
         config = json.loads(flag_value(argv, "--kv-transfer-config"))
-        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5"  # the endpoint host
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "20007"
         # The installed vLLM reads the whole command line as it is.

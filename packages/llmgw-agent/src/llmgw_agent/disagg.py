@@ -4,9 +4,11 @@ A StartShard with a ``role`` ("prefill" or "decode") launches its engine with th
 connector that moves the KV cache from prefill to decode engines, spelled as the
 installed engine's own flags (captured help in ``engine_help/``):
 
-- vLLM: ``--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'``
-  (both roles alike; the request's ``kv_transfer_params`` say which side an engine is),
-  and the NIXL side channel other engines reach it on in
+- vLLM: ``--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'``
+  on a prefill engine, ``kv_consumer`` on a decode engine (vLLM 0.32 warns that
+  ``kv_both`` with NixlConnector is deprecated and asks for these; the request's
+  ``kv_transfer_params`` say which side an engine is for each request), and the NIXL
+  side channel other engines reach it on in
   ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``VLLM_NIXL_SIDE_CHANNEL_PORT``: the endpoint host and
   the port placement gave (``kv_port``).
 - SGLang: ``--disaggregation-mode prefill|decode``, a prefill engine's bootstrap server
@@ -25,10 +27,11 @@ from llmgw_proto import v1
 
 from llmgw_agent.engine_flags import ParsedArgs
 
-__all__ = ["ROLES", "VLLM_CONNECTOR", "rdma_devices", "role_launch", "role_problems"]
+__all__ = ["ROLES", "rdma_devices", "role_launch", "role_problems", "vllm_connector"]
 
 ROLES = ("prefill", "decode")
-VLLM_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+# vLLM's kv_role for each role.
+VLLM_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 
 
@@ -38,6 +41,11 @@ def rdma_devices(root: Path = SYSFS_INFINIBAND) -> tuple[str, ...]:
         return tuple(sorted(p.name for p in root.iterdir()))
     except OSError:
         return ()
+
+
+def vllm_connector(role: str) -> dict[str, str]:
+    """A vLLM engine's ``--kv-transfer-config`` for ``role`` (prefill or decode)."""
+    return {"kv_connector": "NixlConnector", "kv_role": VLLM_KV_ROLES[role]}
 
 
 def _flags(engine: str, role: str) -> tuple[str, ...]:
@@ -77,11 +85,12 @@ def role_launch(
     endpoint_host: str,
     rdma: Sequence[str],
 ) -> tuple[list[str], dict[str, str]]:
-    """The arguments and environment ``start``'s role adds to its engine's launch."""
-    if not start.role:
+    """The arguments and environment ``start``'s role adds to its engine's launch (none for
+    a role that is not prefill or decode: :func:`role_problems` names it)."""
+    if start.role not in ROLES:
         return [], {}
     if engine == "vllm":
-        config = json.dumps(VLLM_CONNECTOR, separators=(",", ":"))
+        config = json.dumps(vllm_connector(start.role), separators=(",", ":"))
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": endpoint_host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(start.kv_port),
