@@ -14,9 +14,11 @@ An engine start costs a minute or more and 5 GB, so the whole suite shares one s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,10 +172,55 @@ TIMINGS = {
 }
 
 
+OwnSystem = Callable[[Path], AbstractContextManager[Cluster]]
+
+
+@pytest.fixture(scope="session")
+def own_system(request: pytest.FixtureRequest, engine: Engine) -> OwnSystem:
+    """``with own_system(workdir) as cluster``: a system built with TIMINGS while the engine's
+    agent environment is set (the programs inherit it: the agent reads the engine's help
+    with it), stopped at the end, every log's tail printed when a test failed. The suite's
+    shared system is one; modules that need a fleet of their own start another."""
+
+    @contextlib.contextmanager
+    def start(workdir: Path) -> Iterator[Cluster]:
+        cluster = Cluster(workdir, timings=TIMINGS)
+        saved = {key: os.environ.get(key) for key in engine.agent_env}
+        os.environ.update(engine.agent_env)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            if request.session.testsfailed:
+                logs = [*cluster.logs.glob("*.log"), *(workdir / "state").glob("*/logs/*.log")]
+                for log in sorted(logs):
+                    print(f"----- {log} (last 60 lines)")
+                    print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def cpu_agent(engine: Engine) -> dict[str, Any]:
+    """``Cluster.start_agent``'s arguments for a CPU node running the real engine."""
+    return {
+        "simulate_gpus": None,
+        "engines": {engine.kind: {"command": engine.command}},
+        "stop_engines_on_exit": True,
+        "stop_grace": "30s",
+    }
+
+
 @pytest.fixture(scope="session")
 def system(
     tmp_path_factory: pytest.TempPathFactory,
-    request: pytest.FixtureRequest,
+    own_system: OwnSystem,
+    cpu_agent: dict[str, Any],
     engine: Engine,
     profile: dict[str, Any],
     hf_model: Path,
@@ -181,36 +228,12 @@ def system(
     """Control plane (one CPU-only model), router and one CPU agent, started once.
 
     The fixture does not wait for the engine: the first test watches it load."""
-    workdir = tmp_path_factory.mktemp(f"real-{engine.kind}")
-    cluster = Cluster(workdir, timings=TIMINGS)
-    # The programs inherit this environment (the agent reads the engine's help with it).
-    saved = {key: os.environ.get(key) for key in engine.agent_env}
-    os.environ.update(engine.agent_env)
-    try:
+    with own_system(tmp_path_factory.mktemp(f"real-{engine.kind}")) as cluster:
         cluster.start_control([{"name": SERVED_NAME, "profiles": {"cpu": profile}}])
         # Precise matching: the router tokenizes the model's prompts with its own files.
         cluster.start_router(cache_aware={"tokenizers": {SERVED_NAME: str(hf_model)}})
-        cluster.start_agent(
-            "cpu-a",
-            simulate_gpus=None,
-            engines={engine.kind: {"command": engine.command}},
-            labels={"kind": "cpu"},
-            stop_engines_on_exit=True,
-            stop_grace="30s",
-        )
+        cluster.start_agent("cpu-a", labels={"kind": "cpu"}, **cpu_agent)
         yield cluster
-    finally:
-        cluster.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if request.session.testsfailed:
-            logs = [*cluster.logs.glob("*.log"), *(workdir / "state").glob("*/logs/*.log")]
-            for log in sorted(logs):
-                print(f"----- {log} (last 60 lines)")
-                print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from llmgw_testkit import serving_checks as checks
 from llmgw_testkit import wait_for
 from llmgw_testkit.cluster import Cluster, metric_sum
 
@@ -35,42 +36,24 @@ PROMPT = (
     "The capital of France is Paris. The capital of Germany is Berlin. "
     "The capital of Italy is Rome. The capital of Spain is"
 )
-# As the suite's shared system (conftest.TIMINGS): two busy cores, a slow engine start.
-TIMINGS = {
-    "unreachable_after": "20s",
-    "lost_after": "900s",
-    "drain_timeout": "180s",
-    "stop_grace": "30s",
-    "command_timeout": "60s",
-}
 
 
 @pytest.fixture(scope="module")
 def pd_system(
     tmp_path_factory: pytest.TempPathFactory,
-    request: pytest.FixtureRequest,
+    own_system: Any,
+    cpu_agent: dict[str, Any],
     engine: Any,
     profile: dict[str, Any],
 ) -> Iterator[Cluster]:
     if engine.kind != "vllm":
         pytest.skip("the NIXL two-phase exchange is tested on vLLM")
-    workdir = tmp_path_factory.mktemp("real-pd")
     pd = {k: v for k, v in profile.items() if k != "replicas"}
     pd.update(fabric_label=LABEL, prefill={"replicas": 1}, decode={"replicas": 1})
-    cluster = Cluster(workdir, timings=TIMINGS)
-    saved = {key: os.environ.get(key) for key in engine.agent_env}
-    os.environ.update(engine.agent_env)
-    try:
+    with own_system(tmp_path_factory.mktemp("real-pd")) as cluster:
         cluster.start_control([{"name": SERVED_NAME, "profiles": {"cpu": pd}}])
         cluster.start_router()
-        cluster.start_agent(
-            "cpu-a",
-            simulate_gpus=None,
-            engines={engine.kind: {"command": engine.command}},
-            labels={LABEL: "ib-1"},
-            stop_engines_on_exit=True,
-            stop_grace="30s",
-        )
+        cluster.start_agent("cpu-a", labels={LABEL: "ib-1"}, **cpu_agent)
         # Each engine on a core of its own, before it starts its engine core and workers
         # (they take the affinity they are started with).
         wait_for(lambda: pin_engines(cluster) == 2, timeout=120, what="both engines launched")
@@ -78,17 +61,6 @@ def pd_system(
         pin_engines(cluster)
         cluster.wait_router_models(SERVED_NAME, timeout=60)
         yield cluster
-    finally:
-        cluster.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if request.session.testsfailed:
-            for log in sorted([*cluster.logs.glob("*.log"), *workdir.glob("state/*/logs/*.log")]):
-                print(f"----- {log} (last 60 lines)")
-                print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
 
 
 def _tree(pid: int) -> list[int]:
@@ -134,24 +106,13 @@ def engine_metric(url: str, name: str) -> float:
     return metric_sum(httpx.get(f"{url}/metrics", timeout=10).text, name)
 
 
-def environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = [a.decode().partition("=") for a in f.read().split(b"\0") if a]
-    return {k: v for k, _, v in pairs}
-
-
-def cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return [a.decode() for a in f.read().split(b"\0") if a]
-
-
 def test_prefill_then_decode_over_nixl(pd_system: Cluster) -> None:
     cluster = pd_system
     by_profile = {r["profile"]: r for r in cluster.replicas(SERVED_NAME)}
     assert sorted(by_profile) == ["cpu-decode", "cpu-prefill"]
     prefill, decode = by_profile["cpu-prefill"], by_profile["cpu-decode"]
     for rep in (prefill, decode):
-        argv = cmdline(rep["shards"][0]["pid"])
+        argv = checks.cmdline(rep["shards"][0]["pid"])
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert config["kv_connector"] == "NixlConnector"
     client = openai.OpenAI(
@@ -175,7 +136,7 @@ def test_prefill_then_decode_over_nixl(pd_system: Cluster) -> None:
     # Greedy decoding from the transferred cache answers as the prefill engine does from
     # its own (asked directly, as a reference only: clients reach engines through the router).
     body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    key = environ(prefill["shards"][0]["pid"]).get("VLLM_API_KEY", "")
+    key = checks.engine_secret(prefill["shards"][0]["pid"], "VLLM_API_KEY")
     answer = httpx.post(
         f"{prefill['endpoint']}/v1/completions",
         json=body,

@@ -15,7 +15,6 @@ before the suite's shared system starts (this file runs first).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,14 +29,6 @@ from llmgw_testkit.cluster import Cluster, metric_sum
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "gemma3"
 PROMPT = "The capital of France is"
-# As the suite's shared system (conftest.TIMINGS): two busy cores, a slow engine start.
-TIMINGS = {
-    "unreachable_after": "20s",
-    "lost_after": "900s",
-    "drain_timeout": "180s",
-    "stop_grace": "30s",
-    "command_timeout": "60s",
-}
 
 
 def make_adapter(engine: Any, hf_model: Path, out: Path, seed: int) -> Path:
@@ -52,7 +43,8 @@ def make_adapter(engine: Any, hf_model: Path, out: Path, seed: int) -> Path:
 @pytest.fixture(scope="module")
 def lora_system(
     tmp_path_factory: pytest.TempPathFactory,
-    request: pytest.FixtureRequest,
+    own_system: Any,
+    cpu_agent: dict[str, Any],
     engine: Any,
     profile: dict[str, Any],
     hf_model: Path,
@@ -65,34 +57,14 @@ def lora_system(
         for name, seed in (("gemma3-a", 1), ("gemma3-b", 2), ("gemma3-c", 3))
     ]
     lora_profile = {**profile, "replicas": 2, "lora": {"max_loras": 1, "max_rank": 8}}
-    cluster = Cluster(workdir, timings=TIMINGS)
-    saved = {key: os.environ.get(key) for key in engine.agent_env}
-    os.environ.update(engine.agent_env)
-    try:
+    with own_system(workdir) as cluster:
         model = {"name": SERVED_NAME, "profiles": {"cpu": lora_profile}, "adapters": adapters}
         cluster.start_control([model])
         cluster.start_router(hold={"hold_timeout": "300s", "demand_interval": "500ms"})
-        cluster.start_agent(
-            "cpu-a",
-            simulate_gpus=None,
-            engines={engine.kind: {"command": engine.command}},
-            stop_engines_on_exit=True,
-            stop_grace="30s",
-        )
+        cluster.start_agent("cpu-a", **cpu_agent)
         cluster.wait_replicas(SERVED_NAME, 2, timeout=900)
         cluster.wait_router_models(SERVED_NAME, "gemma3-a", "gemma3-b", "gemma3-c", timeout=60)
         yield cluster
-    finally:
-        cluster.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if request.session.testsfailed:
-            for log in sorted([*cluster.logs.glob("*.log"), *workdir.glob("state/*/logs/*.log")]):
-                print(f"----- {log} (last 60 lines)")
-                print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
 
 
 def _holders(cluster: Cluster, adapter: str) -> list[str]:

@@ -27,48 +27,27 @@ MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse k
 PARAMS: dict[str, Any] = {"temperature": 0, "seed": 1, "ignore_eos": True}
 TOKENS = 100
 KILL_AFTER = 30
-# conftest's TIMINGS (a loaded two-core machine; its names cannot be imported here).
-TIMINGS = {
-    "unreachable_after": "20s",
-    "lost_after": "900s",
-    "drain_timeout": "180s",
-    "stop_grace": "30s",
-    "command_timeout": "60s",
-}
 
 
 @pytest.fixture(scope="module")
 def two(
-    tmp_path_factory: pytest.TempPathFactory, engine: Any, profile: dict[str, Any]
+    tmp_path_factory: pytest.TempPathFactory,
+    own_system: Any,
+    cpu_agent: dict[str, Any],
+    engine: Any,
+    profile: dict[str, Any],
 ) -> Iterator[Cluster]:
     if engine.kind != "vllm":
         pytest.skip("continue_final_message is checked on vLLM")
-    cluster = Cluster(tmp_path_factory.mktemp("resume"), timings=TIMINGS)
-    saved = {key: os.environ.get(key) for key in engine.agent_env}
-    os.environ.update(engine.agent_env)
-    try:
+    with own_system(tmp_path_factory.mktemp("resume")) as cluster:
         cluster.start_control(
             [{"name": SERVED_NAME, "profiles": {"cpu": {**profile, "replicas": 2}}}]
         )
         cluster.start_router()
-        cluster.start_agent(
-            "cpu-a",
-            simulate_gpus=None,
-            engines={engine.kind: {"command": engine.command}},
-            labels={"kind": "cpu"},
-            stop_engines_on_exit=True,
-            stop_grace="30s",
-        )
+        cluster.start_agent("cpu-a", labels={"kind": "cpu"}, **cpu_agent)
         cluster.wait_replicas(SERVED_NAME, 2, timeout=900)
         cluster.wait_router_models(SERVED_NAME, timeout=60)
         yield cluster
-    finally:
-        cluster.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _engines(system: Cluster) -> list[dict[str, Any]]:
