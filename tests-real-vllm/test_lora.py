@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from llmgw_testkit import wait_for
@@ -29,6 +30,8 @@ from llmgw_testkit.cluster import Cluster, metric_sum
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "gemma3"
 PROMPT = "The capital of France is"
+# Over two of the engines' 32-token blocks.
+LONG_PROMPT = " ".join(f"item {i} of the list," for i in range(40))
 
 
 def make_adapter(engine: Any, hf_model: Path, out: Path, seed: int) -> Path:
@@ -60,7 +63,11 @@ def lora_system(
     with own_system(workdir) as cluster:
         model = {"name": SERVED_NAME, "profiles": {"cpu": lora_profile}, "adapters": adapters}
         cluster.start_control([model])
-        cluster.start_router(hold={"hold_timeout": "300s", "demand_interval": "500ms"})
+        cluster.start_router(
+            hold={"hold_timeout": "300s", "demand_interval": "500ms"},
+            # Precise matching: an adapter's prompt is tokenized as its base model's.
+            cache_aware={"tokenizers": {SERVED_NAME: str(hf_model)}},
+        )
         cluster.start_agent("cpu-a", **cpu_agent)
         cluster.wait_replicas(SERVED_NAME, 2, timeout=900)
         cluster.wait_router_models(SERVED_NAME, "gemma3-a", "gemma3-b", "gemma3-c", timeout=60)
@@ -108,6 +115,25 @@ def test_adapters_load_at_runtime_route_to_holders_and_evict(lora_system: Cluste
     # Routed to its holder, every time (the other engine does not hold it).
     for _ in range(6):
         assert ask("gemma3-a") == (with_a, holder_a)  # greedy: the same adapter answers the same
+
+    # Precise matching keys an adapter's blocks on the adapter: vLLM's cache events name the
+    # LoRA (lora_name), the agent chains those blocks from its root, and the router chains
+    # the adapter's prompt from the same root (its own /v1/match shows what it counts).
+    def match(model: str) -> dict[str, int]:
+        body = {"model": model, "prompt": LONG_PROMPT}
+        url = f"http://127.0.0.1:{cluster.router_admin_port}/v1/match"
+        answer = httpx.post(url, json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return {e["id"]: e["cached_blocks"] for e in answer.json()["endpoints"]}
+
+    client.completions.create(model="gemma3-a", prompt=LONG_PROMPT, max_tokens=1, temperature=0)
+    wait_for(
+        lambda: match("gemma3-a").get(holder_a, 0) >= 2,
+        timeout=60,
+        what="the adapter's prompt blocks cached at its holder, as the router counts them",
+    )
+    # Under the base model the same prompt was never asked: nothing of it is cached there.
+    assert match(SERVED_NAME)[holder_a] == 0
     # A second adapter goes to the engine with a free slot.
     with_b, served = ask("gemma3-b")
     (holder_b,) = _holders(cluster, "gemma3-b")
@@ -117,7 +143,7 @@ def test_adapters_load_at_runtime_route_to_holders_and_evict(lora_system: Cluste
     assert _holders(cluster, "gemma3-a") == [holder_a]
     assert ask("gemma3-a") == (with_a, holder_a)
     # Both engines full: the third unloads the least used adapter (gemma3-b: one request
-    # against gemma3-a's eight, and the least recent) and takes its slot; the hot one stays.
+    # against gemma3-a's nine, and the least recent) and takes its slot; the hot one stays.
     with_c, served = ask("gemma3-c")
     assert with_c not in (base, with_a, with_b)
     assert served == holder_b

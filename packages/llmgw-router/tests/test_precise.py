@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from llmgw_proto.config import ConfigError, load
-from llmgw_proto.token_blocks import token_block_hashes
+from llmgw_proto.token_blocks import root, token_block_hashes
 from llmgw_proto.v1 import EndpointCache
 from llmgw_router.config import RouterConfig, validate
 from llmgw_router.control.watch import apply_cache
@@ -149,3 +149,23 @@ def test_with_a_tokenizer_the_prefix_is_the_same_for_any_json_spacing(tmp_path: 
     short = PromptBlocks([1, 2, 3], max_blocks=256)
     assert len(short.prefix(8)) == 1
     assert short.prefix(8) != PromptBlocks([1, 2, 4], max_blocks=256).prefix(8)
+
+
+def test_an_adapters_blocks_chain_from_its_root_as_the_agent_names_its_engines_blocks() -> None:
+    """An engine caches an adapter's prompt apart from the base model's and its events say
+    which (lora_name); the agent chains those blocks from root(lora_name). The router's
+    blocks of an adapter's request chain from the same root: the same prompt matches only
+    what was cached under the same adapter."""
+    tokens = list(range(40))
+    base = PromptBlocks(tokens, max_blocks=256)
+    a = base.under("gemma3-a")
+    assert a.tokens is base.tokens
+    assert a.hashes(8) == token_block_hashes(tokens, 8, parent=root("gemma3-a"))
+    assert not set(a.hashes(8)) & set(base.hashes(8))
+    assert not set(a.hashes(8)) & set(base.under("gemma3-b").hashes(8))
+    assert a.cached(set(a.hashes(8)[:3]), 8) == 3
+    assert a.cached(set(base.hashes(8)), 8) == 0
+    # The balancer's prefix too, a prompt shorter than a block included.
+    assert a.prefix(8) != base.prefix(8)
+    short = PromptBlocks([1, 2, 3], max_blocks=256)
+    assert short.under("gemma3-a").prefix(8) != short.prefix(8)

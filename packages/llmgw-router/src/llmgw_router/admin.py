@@ -195,11 +195,18 @@ def admin_app(state: RouterState) -> Starlette:
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return JSONResponse({"error": "the body needs a `model` string"}, status_code=400)
         model = body["model"]
+        # A LoRA adapter's prompt is its base model's tokens, its blocks chained from the
+        # adapter's root (as its engines' cache events name them).
+        base = state.endpoints.adapters.get(model)
         # The proxy's own tokenizer and cache: what it counts is what the proxy counts.
-        tokenizer = state.tokenizer(model)
+        tokenizer = state.tokenizer(base or model)
         if tokenizer is None:
             return JSONResponse(
-                {"error": f"no tokenizer for {model!r} in cache_aware.tokenizers"},
+                {
+                    "error": f"no tokenizer for {base or model!r}"
+                    + (f" (the base model of adapter {model!r})" if base else "")
+                    + " in cache_aware.tokenizers"
+                },
                 status_code=404,
             )
         max_blocks = state.config.cache_aware.max_blocks
@@ -209,6 +216,8 @@ def admin_app(state: RouterState) -> Starlette:
             blocks = await tokenizer.completion_blocks(body.get("prompt"), max_blocks)
         if blocks is None:
             return JSONResponse({"model": model, "prompt_tokens": None, "endpoints": []})
+        if base is not None:
+            blocks = blocks.under(model)
         tokens = blocks.tokens
         return JSONResponse(
             {
@@ -223,7 +232,7 @@ def admin_app(state: RouterState) -> Starlette:
                         else None,
                         "cached_blocks": blocks.cached(ep.token_blocks, ep.token_block_size),
                     }
-                    for ep in state.endpoints.for_model(model) or ()
+                    for ep in state.endpoints.for_model(base or model) or ()
                 ],
             }
         )

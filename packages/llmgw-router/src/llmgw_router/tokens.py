@@ -58,6 +58,7 @@ from typing import Any, TypeAlias
 
 from llmgw_proto.prompts import PromptEncoder, TokenizerError, token_list
 from llmgw_proto.token_blocks import block_hash, token_block_hashes
+from llmgw_proto.token_blocks import root as token_root
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -452,7 +453,7 @@ class PromptBlocks:
     its new blocks (the chain's hash of block ``i`` depends on blocks ``0..i`` alone, which
     a shared prefix fixes). The hashes are those of :func:`token_block_hashes` either way."""
 
-    __slots__ = ("_by_size", "_cache", "_path", "max_blocks", "tokens")
+    __slots__ = ("_by_size", "_cache", "_path", "max_blocks", "root", "tokens")
 
     def __init__(
         self,
@@ -460,12 +461,21 @@ class PromptBlocks:
         max_blocks: int,
         path: Path_ | None = None,
         cache: TokenCache | None = None,
+        root: int = 0,
     ) -> None:
         self.tokens = tokens
         self.max_blocks = max_blocks
-        self._path = path if cache is not None else None
+        # The chain's start: token_blocks.root(adapter) for a LoRA adapter's request, whose
+        # blocks an engine caches apart from the base model's (its events carry lora_name).
+        self.root = root
+        self._path = path if cache is not None and not root else None
         self._cache = cache
         self._by_size: dict[int, list[int]] = {}
+
+    def under(self, adapter: str) -> PromptBlocks:
+        """The same tokens as a request for LoRA ``adapter`` hashes them (the cache's
+        hashes are the base model's, so none is reused)."""
+        return PromptBlocks(self.tokens, self.max_blocks, root=token_root(adapter))
 
     def hashes(self, block_size: int) -> list[int]:
         out = self._by_size.get(block_size)
@@ -473,7 +483,9 @@ class PromptBlocks:
             if self._path and self._cache is not None and block_size > 0:
                 out = self._chained(block_size, self._path, self._cache)
             else:
-                out = token_block_hashes(self.tokens, block_size, max_blocks=self.max_blocks)
+                out = token_block_hashes(
+                    self.tokens, block_size, parent=self.root, max_blocks=self.max_blocks
+                )
             self._by_size[block_size] = out
         return out
 
@@ -508,7 +520,7 @@ class PromptBlocks:
         full = self.hashes(block_tokens)
         if full:
             return tuple(full)
-        return (block_hash(0, self.tokens),)
+        return (block_hash(self.root, self.tokens),)
 
     def cached(self, blocks: AbstractSet[int] | None, block_size: int) -> int:
         """Leading blocks of the prompt in ``blocks`` (an engine's cache); -1 for no view."""

@@ -79,15 +79,22 @@ class Chooser:
         elif isinstance(head, RequestHeadWithPrompt):
             prompt = head.messages or head.prompt
             if prompt:
-                tokenizer = self._tokenizers.get(ctx.model) if self._tokenizers else None
+                # An adapter's prompt is tokenized as its base model's.
+                base = self.state.endpoints.adapters.get(ctx.model, ctx.model)
+                tokenizer = self._tokenizers.get(base) if self._tokenizers else None
                 if tokenizer is not None:
                     return tokenizer
-                text = prompt_text(bytes(prompt), chat=bool(head.messages))
-                if ctx.model in self.state.endpoints.adapters:
-                    # A prefix cached under one adapter is not cached under another.
-                    text = keyed_prompt(ctx.model, text)
-                ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
+                ctx.prefix = self._text_prefix(ctx, head)
         return None
+
+    def _text_prefix(self, ctx: RequestContext, head: RequestHeadWithPrompt) -> tuple[int, ...]:
+        """The prompt text's prefix blocks (keyed on the adapter for an adapter's request:
+        a prefix cached under one adapter is not cached under another)."""
+        prompt = head.messages or head.prompt
+        text = prompt_text(bytes(prompt), chat=bool(head.messages))
+        if ctx.model in self.state.endpoints.adapters:
+            text = keyed_prompt(ctx.model, text)
+        return prefix_blocks(text, self._block_bytes, self._max_blocks)
 
     async def read_tokens(
         self,
@@ -98,10 +105,11 @@ class Chooser:
         """The prompt's token blocks (and their prefix); its text's where it does not tokenize."""
         ctx.tokens = await self._prompt_tokens(tokenizer, head)
         if ctx.tokens is None:
-            prompt = head.messages or head.prompt
-            text = prompt_text(bytes(prompt), chat=bool(head.messages))
-            ctx.prefix = prefix_blocks(text, self._block_bytes, self._max_blocks)
+            ctx.prefix = self._text_prefix(ctx, head)
         else:
+            if ctx.model in self.state.endpoints.adapters:
+                # Its blocks chain from the adapter's root, as the engine's events do.
+                ctx.tokens = ctx.tokens.under(ctx.model)
             # Blocks of block_bytes / 4 tokens (about as much prompt).
             ctx.prefix = ctx.tokens.prefix(max(1, self._block_bytes // 4))
 
