@@ -10,6 +10,7 @@ to the engine that holds it. The same checks on a real vLLM are in tests-real-vl
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,6 @@ from llmgw_testkit.cluster import Cluster, metric_sum, vllm_profile
 from llmgw_testkit.tokenizer import write_word_tokenizer
 
 WORDS = [f"w{i}" for i in range(300)] + ["why", "how", "when"]
-SYSTEM = " ".join(f"w{i}" for i in range(200))  # 200 words: 12 full 16-token blocks+
 
 
 def _match(cluster: Cluster, body: dict[str, Any]) -> dict[str, Any]:
@@ -58,22 +58,33 @@ def test_a_prompt_goes_to_the_engine_that_reports_it_cached(
     cluster.wait_replicas("chat", 2, timeout=90)
     cluster.wait_router_models("chat")
 
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "why"}]
-    body = {"model": "chat", "messages": messages, "max_tokens": 2}
-    # The router's count: BOS, the template's role markers, 200 + 1 words.
-    before = _match(cluster, body)
-    assert before["prompt_tokens"] == 1 + 1 + 200 + 1 + 1 + 1
-    assert all(ep["cached_blocks"] in (-1, 0) for ep in before["endpoints"])
-    reply = httpx.post(f"{cluster.router_url}/v1/chat/completions", json=body, timeout=30)
-    assert reply.status_code == 200, reply.text
-    full = before["prompt_tokens"] // 16
+    # An engine's events published before the agent's subscription has joined are lost
+    # (ZeroMQ's slow joiner: the agent subscribes as the engine comes up, and a loaded
+    # machine can serve the first request sooner): a prompt whose blocks no engine reports
+    # within a while is followed by another of other words.
+    holder: dict[str, Any] | None = None
+    for shift in range(0, 100, 20):
+        system = " ".join(f"w{i}" for i in range(shift, shift + 200))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "why"}]
+        body = {"model": "chat", "messages": messages, "max_tokens": 2}
+        # The router's count: BOS, the template's role markers, 200 + 1 words.
+        before = _match(cluster, body)
+        assert before["prompt_tokens"] == 1 + 1 + 200 + 1 + 1 + 1
+        assert all(ep["cached_blocks"] in (-1, 0) for ep in before["endpoints"])
+        reply = httpx.post(f"{cluster.router_url}/v1/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        full = before["prompt_tokens"] // 16
 
-    def held() -> dict[str, Any] | None:
-        eps = _match(cluster, body)["endpoints"]
-        holders = [ep for ep in eps if ep["cached_blocks"] == full]
-        return holders[0] if len(holders) == 1 else None
+        def held(body: dict[str, Any] = body, full: int = full) -> dict[str, Any] | None:
+            eps = _match(cluster, body)["endpoints"]
+            holders = [ep for ep in eps if ep["cached_blocks"] == full]
+            return holders[0] if len(holders) == 1 else None
 
-    holder = wait_for(held, timeout=30, what=f"one engine reporting all {full} blocks cached")
+        with contextlib.suppress(TimeoutError):
+            holder = wait_for(held, timeout=15, what=f"one engine reporting all {full} blocks")
+        if holder is not None:
+            break
+    assert holder is not None, "no engine reported a prompt's blocks cached, five prompts running"
     assert holder["token_block_size"] == 16
     view = httpx.get(f"http://127.0.0.1:{cluster.router_admin_port}/v1/endpoints", timeout=5)
     urls = {ep["id"]: ep["url"] for ep in view.json()["endpoints"]}
@@ -83,7 +94,7 @@ def test_a_prompt_goes_to_the_engine_that_reports_it_cached(
     for question in ("why", "why", "why"):
         raw = (
             '{ "max_tokens" : 2 , "messages" : [ { "content" : '
-            + json.dumps(SYSTEM)
+            + json.dumps(system)
             + ' , "role" : "system" } , { "content" : "'
             + question
             + '", "role" : "user" } ] , "model" : "chat" }'
