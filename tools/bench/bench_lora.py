@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import random
@@ -68,6 +69,8 @@ class Args:
     zipf: float
     load_time: float
     seed: int
+    # lora.min_idle of llmgw's profile (seconds).
+    min_idle: float = 2.0
 
 
 def engine_env(a: Args) -> dict[str, str]:
@@ -251,7 +254,7 @@ def start_llmgw(a: Args, cluster: Cluster) -> None:
     profile = vllm_profile(
         replicas=a.replicas,
         # Unused for 2 s: a router reports use every 0.5 s (hold.demand_interval below).
-        lora={"max_loras": a.max_loras, "max_rank": 16, "min_idle": "2s"},
+        lora={"max_loras": a.max_loras, "max_rank": 16, "min_idle": f"{a.min_idle:g}s"},
         env=engine_env(a),
         load_timeout="120s",
     )
@@ -383,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     workload_args(parser)
     parser.add_argument("--load-time", type=float, default=1.0, help="seconds per adapter load")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--min-idle", type=float, default=2.0, help="llmgw: the profile's lora.min_idle (s)"
+    )
     parser.add_argument("--only", choices=("both", "llmgw", "rr"), default="both")
     parser.add_argument(
         "--trace", action="store_true", help="llmgw: held requests and loads per 10 s, by rank"
     )
     ns = parser.parse_args(argv)
-    a = args_of(ns, ns.seed, ns.load_time)
+    a = dataclasses.replace(args_of(ns, ns.seed, ns.load_time), min_idle=ns.min_idle)
     rows: dict[str, dict[str, float]] = {}
     print(f"arrivals: {len(arrivals(a))} requests; {a}", file=sys.stderr)
     rr_name = "round robin + load on demand"
