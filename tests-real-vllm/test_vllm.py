@@ -460,6 +460,14 @@ def test_scale_to_zero_drains_on_the_engines_running_metric(serving: Cluster, en
     running = _adapter(engine.kind).running_metric
     serving.wait_router_models(SERVED_NAME, timeout=60)
     outcome: list[tuple[str, int]] = []
+    # The client's first streamed token: the request runs in the engine. (Gating on the
+    # engine's own running metric instead lost the race once in CI: the stream of 300
+    # tokens ended before a scrape saw it, see the metric's check below.)
+    first_token = threading.Event()
+
+    def seen(chunk: Any) -> None:
+        if chunk.choices:
+            first_token.set()
 
     def stream() -> None:
         try:
@@ -472,21 +480,20 @@ def test_scale_to_zero_drains_on_the_engines_running_metric(serving: Cluster, en
                 api_key="unused",
                 timeout=300,
                 expect_tokens=0,
+                on_chunk=seen,
                 extra_body={"ignore_eos": True},
             )
             finish = [c.choices[0].finish_reason for c in got.chunks if c.choices]
             outcome.append((str(finish[-1]), got.usage.completion_tokens))
         except Exception as err:
             outcome.append((f"error: {err!r}", 0))
+        finally:
+            first_token.set()
 
     worker = threading.Thread(target=stream)
     worker.start()
     try:
-        wait_for(
-            lambda: outcome or metric_sum(_engine_metrics(port), running) >= 1,
-            timeout=120,
-            what="the stream running in the engine",
-        )
+        wait_for(first_token.is_set, timeout=120, what="the stream's first token")
         assert not outcome, f"the stream ended before the scale-down: {outcome}"
 
         config_path = serving.workdir / "control.yaml"
@@ -504,7 +511,23 @@ def test_scale_to_zero_drains_on_the_engines_running_metric(serving: Cluster, en
         )
         assert not outcome, f"the stream ended before the drain began: {outcome}"
         assert _alive(pid)
-        assert metric_sum(_engine_metrics(port), running) >= 1
+        # ...and the engine says so on the metric the agent drains on. Every scrape is kept
+        # for the message, should the stream end before one shows the request.
+        scrapes: list[str] = []
+
+        def scraped_running() -> bool:
+            if outcome:
+                return True
+            try:
+                value = metric_sum(_engine_metrics(port), running)
+            except OSError as err:
+                scrapes.append(repr(err))
+                return False
+            scrapes.append(str(value))
+            return value >= 1
+
+        wait_for(scraped_running, timeout=120, what=f"{running} >= 1 on port {port}")
+        assert not outcome, f"the stream ended before {running} showed it: {scrapes[-10:]}"
     finally:
         worker.join(timeout=300)
     assert outcome == [("length", DRAIN_TOKENS)], outcome

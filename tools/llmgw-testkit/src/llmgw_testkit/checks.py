@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from openai.types.chat import ChatCompletionChunk
     from openai.types.completion_usage import CompletionUsage
 
@@ -48,13 +50,15 @@ def stream_chat_with_usage(
     api_key: str = "x",
     timeout: float = 60.0,
     expect_tokens: int | None = None,
+    on_chunk: Callable[[ChatCompletionChunk], object] | None = None,
     **create: Any,
 ) -> StreamedChat:
     """Stream ``/v1/chat/completions`` at ``url`` (the server's root) with
     ``stream_options={"include_usage": True}`` and check what every such stream shows:
     every chunk is a ``chat.completion.chunk``, the last one carries the usage, the prompt
     counted at least one token, and ``expect_tokens`` (``max_tokens`` unless given; pass 0
-    to skip) completion tokens were counted. ``create`` goes to ``create()`` as it is
+    to skip) completion tokens were counted. ``on_chunk`` sees each chunk as it arrives
+    (for a test that acts while the stream runs). ``create`` goes to ``create()`` as it is
     (``temperature``, ``extra_body``...). Returns what was read for the caller's own checks.
     """
     import openai
@@ -70,7 +74,11 @@ def stream_chat_with_usage(
             stream_options={"include_usage": True},
             **create,
         )
-        chunks = list(stream)
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
     assert chunks, f"{url}: the stream of {model!r} ended without a chunk"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     usage = chunks[-1].usage
