@@ -493,7 +493,7 @@ def test_scale_to_zero_drains_on_the_engines_running_metric(serving: Cluster, en
     worker = threading.Thread(target=stream)
     worker.start()
     try:
-        wait_for(first_token.is_set, timeout=120, what="the stream's first token")
+        assert first_token.wait(timeout=120), "no token streamed within 120 s"
         assert not outcome, f"the stream ended before the scale-down: {outcome}"
 
         config_path = serving.workdir / "control.yaml"
